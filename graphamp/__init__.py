@@ -1,0 +1,17 @@
+"""graphamp: static-graph automatic mixed precision for PyTorch."""
+
+from graphamp.errors import CaptureError, GraphampError, ListFileError, LossScalingError
+from graphamp.lists import AutoMixedPrecisionLists
+from graphamp.module import AmpModule, rewrite
+from graphamp.optimizer import decorate
+
+__all__ = [
+    "AmpModule",
+    "AutoMixedPrecisionLists",
+    "CaptureError",
+    "GraphampError",
+    "ListFileError",
+    "LossScalingError",
+    "decorate",
+    "rewrite",
+]

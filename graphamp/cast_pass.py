@@ -1,0 +1,272 @@
+"""The cast pass: classify each node of a captured graph by the lists and insert the casts that follow.
+
+One walk over `graph.nodes` in order (like torch.ao.quantization's prepare/convert): every ATen op node is
+classified white (runs low), black (runs FP32), gray (follows its inputs: low when all its floating inputs
+are low, else FP32 — Paddle's rule), unlisted (acts gray, reported) or explicit-cast (the model chose the
+dtype itself: left alone). Casts are `aten._to_copy` nodes shared per (value, dtype), inserted before the
+first node that needs them, and folded: a cast of one of our own casts goes back to the original value.
+`node.meta["val"]` is recomputed on fake tensors for every node whose inputs changed dtype.
+"""
+
+from __future__ import annotations
+
+import operator
+from contextlib import nullcontext
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch._guards import detect_fake_mode
+from torch._ops import HigherOrderOperator, OpOverload
+from torch.fx import GraphModule, Node
+from torch.fx.node import map_arg
+
+from graphamp.lists import BLACK, GRAY, WHITE, AutoMixedPrecisionLists, op_lookup_keys
+
+aten = torch.ops.aten
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+CAST_OP = aten._to_copy.default
+UNLISTED, EXPLICIT_CAST, INSERTED_CAST = "unlisted", "explicit-cast", "inserted-cast"
+LEVELS = ("O1", "O2")
+
+# Casts the model writes itself; they are kept as written and never folded away.
+_MODEL_CAST_OPS = {
+    aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.to.other,
+    aten.type_as.default,
+}
+# export's checks that a `.to()` result has the traced dtype; after the rewrite the dtype may differ.
+_TRACE_ASSERTS = {aten._assert_tensor_metadata.default}
+
+
+@dataclass
+class RewriteReport:
+    """What the cast pass decided for one captured graph (sub-graphs of higher-order ops included)."""
+
+    dtype: torch.dtype
+    level: str
+    decisions: Counter = field(default_factory=Counter)
+    unlisted_ops: Counter = field(default_factory=Counter)
+    casts_inserted: int = 0
+
+    def __str__(self) -> str:
+        lines = [
+            f"graphamp rewrite ({str(self.dtype).removeprefix('torch.')}, {self.level}): "
+            f"{self.casts_inserted} casts inserted",
+            "  ops by decision: " + ", ".join(f"{d}={n}" for d, n in sorted(self.decisions.items())),
+        ]
+        if self.unlisted_ops:
+            lines.append(
+                "  unlisted ops (treated as gray; add them to a list to decide): "
+                + ", ".join(f"{op} x{n}" for op, n in self.unlisted_ops.most_common())
+            )
+        return "\n".join(lines)
+
+
+def insert_casts(
+    graph_module: GraphModule,
+    amp_lists: AutoMixedPrecisionLists,
+    level: str = "O1",
+    fp32_outputs: bool = True,
+    fp32_placeholders: frozenset[str] = frozenset(),
+) -> RewriteReport:
+    """Rewrite `graph_module` in place for mixed precision and return what was decided.
+
+    fp32_outputs: cast outputs back to their traced dtype (float32), so the loss comes back FP32.
+    fp32_placeholders: placeholder names that are never cast down (normalization parameters under O2).
+    """
+    if level not in LEVELS:
+        raise ValueError(f"level={level!r}: use 'O1' (lists decide) or 'O2' (all but black ops run low).")
+    report = RewriteReport(dtype=amp_lists.dtype, level=level)
+    _CastPass(graph_module, amp_lists, level, report, fp32_placeholders).run(restore_outputs=fp32_outputs)
+    return report
+
+
+def node_dtype(node) -> torch.dtype | None:
+    value = node.meta.get("val") if isinstance(node, Node) else None
+    return value.dtype if isinstance(value, torch.Tensor) else None
+
+
+def module_path(node: Node) -> str:
+    """The FQN of the innermost module the op ran in ('' at the top level)."""
+    stack = node.meta.get("nn_module_stack")
+    return next(reversed(stack.values()))[0] if stack else ""
+
+
+class _CastPass:
+    """The walk over one graph; higher-order ops' sub-graphs get a walk of their own."""
+
+    def __init__(self, graph_module, amp_lists, level, report, fp32_placeholders=frozenset()):
+        self.graph_module = graph_module
+        self.graph = graph_module.graph
+        self.amp_lists = amp_lists
+        self.low = amp_lists.dtype
+        self.level = level
+        self.report = report
+        self.traced_dtype = {node: node_dtype(node) for node in self.graph.nodes}
+        self.traced_signature = {node: _dtype_signature(node.meta.get("val")) for node in self.graph.nodes}
+        self.never_cast_down = {n for n in self.graph.nodes if n.op == "placeholder" and n.name in fp32_placeholders}
+        self.casts: dict[tuple[Node, torch.dtype], Node] = {}
+        self.cast_source: dict[Node, Node] = {}
+        self.fake_mode = detect_fake_mode([n.meta.get("val") for n in self.graph.nodes]) or nullcontext()
+
+    def run(self, restore_outputs: bool) -> None:
+        for node in list(self.graph.nodes):
+            if node.op == "output":
+                if restore_outputs:
+                    self._restore_traced_dtypes(node)
+            elif node.op == "call_function":
+                if node.target in _TRACE_ASSERTS:
+                    self.graph.erase_node(node)
+                elif isinstance(node.target, OpOverload):
+                    self._visit_op(node)
+                elif isinstance(node.target, HigherOrderOperator):
+                    self._visit_higher_order(node)
+                elif node.target is operator.getitem:
+                    self._refresh_meta(node)
+        self.graph.lint()
+        self.graph_module.recompile()
+
+    # -- deciding ------------------------------------------------------------------------------------------
+    def _decide(self, node: Node) -> tuple[str, str]:
+        """(decision, source) for an op node."""
+        op = node.target
+        if op in _MODEL_CAST_OPS or _has_explicit_float_dtype(node):
+            return EXPLICIT_CAST, "model"
+        pattern = self.amp_lists.black_module_for(module_path(node))
+        if pattern is not None:
+            return BLACK, pattern.source
+        entry = self.amp_lists.classify(op)
+        if entry is None:
+            self.report.unlisted_ops[op_lookup_keys(op)[1]] += 1
+            return UNLISTED, ""
+        return entry.color, entry.source
+
+    def _target_dtype(self, decision: str, floats: list[Node]) -> torch.dtype | None:
+        """The dtype the op's floating inputs are cast to, or None when they are left as they are."""
+        if decision == WHITE or (self.level == "O2" and decision in (GRAY, UNLISTED)):
+            return self.low
+        if decision == BLACK:
+            return torch.float32
+        if decision in (GRAY, UNLISTED) and floats:
+            # 0-dim tensors do not decide, as in torch's type promotion (x * scale stays low).
+            deciding = [n for n in floats if n.meta["val"].dim() > 0] or floats
+            return self.low if all(node_dtype(n) == self.low for n in deciding) else torch.float32
+        return None
+
+    # -- visiting ------------------------------------------------------------------------------------------
+    def _visit_op(self, node: Node) -> None:
+        decision, source = self._decide(node)
+        self.report.decisions[decision] += 1
+        node.meta["graphamp"] = {"decision": decision, "source": source, "module": module_path(node)}
+        mutated = _mutated_inputs(node)
+        floats = [n for n in node.all_input_nodes if _is_castable(n) and n not in mutated]
+        target = None if decision == EXPLICIT_CAST else self._target_dtype(decision, floats)
+        if target is not None:
+            replace = {n: self._cast(n, target, node) for n in floats if self._needs_cast(n, target)}
+            if replace:
+                node.args, node.kwargs = map_arg((node.args, node.kwargs), lambda n: replace.get(n, n))
+        for value in mutated:  # an in-place op makes earlier casts of its target stale
+            self._forget_casts_of(value)
+        self._refresh_meta(node)
+
+    def _visit_higher_order(self, node: Node) -> None:
+        """torch.cond, no_grad regions and the like: operands cross in their traced dtype, bodies are rewritten."""
+        self.report.decisions["higher-order"] += 1
+        node.meta["graphamp"] = {"decision": "higher-order", "source": "", "module": module_path(node)}
+        replace = {}
+        for value in node.all_input_nodes:
+            if value.op == "get_attr":
+                body = getattr(self.graph_module, value.target)
+                if isinstance(body, GraphModule):
+                    _CastPass(body, self.amp_lists, self.level, self.report).run(restore_outputs=True)
+            elif _is_castable(value) and node_dtype(value) != self.traced_dtype.get(value):
+                replace[value] = self._cast(value, self.traced_dtype[value], node)
+        if replace:
+            node.args, node.kwargs = map_arg((node.args, node.kwargs), lambda n: replace.get(n, n))
+
+    def _restore_traced_dtypes(self, output: Node) -> None:
+        replace = {
+            n: self._cast(n, self.traced_dtype[n], output)
+            for n in output.all_input_nodes
+            if _is_castable(n) and self.traced_dtype.get(n) is not None and node_dtype(n) != self.traced_dtype[n]
+        }
+        if replace:
+            output.args = map_arg(output.args, lambda n: replace.get(n, n))
+
+    # -- casting -------------------------------------------------------------------------------------------
+    def _needs_cast(self, value: Node, target: torch.dtype) -> bool:
+        dtype = node_dtype(value)
+        if dtype == target or dtype == torch.float64:
+            return False  # float64 is the model's explicit choice, as autocast leaves it
+        if target == torch.float32:
+            return dtype in HALF_DTYPES
+        return value not in self.never_cast_down
+
+    def _cast(self, value: Node, dtype: torch.dtype, before: Node) -> Node:
+        """`value` in `dtype`, sharing one cast per (value, dtype) and folding casts of our casts."""
+        root = self.cast_source.get(value, value)
+        if node_dtype(root) == dtype:
+            return root
+        cast = self.casts.get((root, dtype))
+        if cast is None:
+            with self.graph.inserting_before(before):
+                cast = self.graph.call_function(CAST_OP, (root,), {"dtype": dtype})
+            with self.fake_mode:
+                cast.meta["val"] = root.meta["val"].to(dtype)
+            cast.meta["nn_module_stack"] = before.meta.get("nn_module_stack", {})
+            cast.meta["graphamp"] = {
+                "decision": INSERTED_CAST,
+                "source": f"{str(dtype).removeprefix('torch.')} for {before.name}",
+                "module": module_path(before),
+            }
+            self.casts[(root, dtype)] = cast
+            self.cast_source[cast] = root
+            self.report.casts_inserted += 1
+        return cast
+
+    def _forget_casts_of(self, value: Node) -> None:
+        root = self.cast_source.get(value, value)
+        for key in [k for k in self.casts if k[0] is root]:
+            del self.casts[key]
+
+    def _refresh_meta(self, node: Node) -> None:
+        """Recompute node.meta['val'] on fake tensors when an input's dtype changed, so it stays true."""
+        if all(_dtype_signature(n.meta.get("val")) == self.traced_signature.get(n) for n in node.all_input_nodes):
+            return
+        args, kwargs = map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+        with self.fake_mode:
+            node.meta["val"] = node.target(*args, **kwargs)
+
+
+def _dtype_signature(value):
+    """The dtype of a tensor value, or of each tensor of a multi-output op's tuple."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype
+    if isinstance(value, (tuple, list)):
+        return tuple(_dtype_signature(v) for v in value)
+    return None
+
+
+def _is_castable(node: Node) -> bool:
+    """Floating tensors are cast; integer and bool tensors and non-tensors never are."""
+    dtype = node_dtype(node)
+    return dtype is not None and dtype.is_floating_point
+
+
+def _has_explicit_float_dtype(node: Node) -> bool:
+    """softmax(x, -1, dtype=torch.float32) and the like: the model picked the compute dtype."""
+    for index, argument in enumerate(node.target._schema.arguments):
+        if argument.name == "dtype":
+            value = node.kwargs.get("dtype", node.args[index] if index < len(node.args) else None)
+            return isinstance(value, torch.dtype) and value.is_floating_point
+    return False
+
+
+def _mutated_inputs(node: Node) -> set[Node]:
+    """The inputs an in-place or out= op writes to: casting them would drop the write."""
+    mutated = set()
+    for index, argument in enumerate(node.target._schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            value = node.kwargs.get(argument.name, node.args[index] if index < len(node.args) else None)
+            map_arg(value, mutated.add)
+    return mutated

@@ -1,0 +1,17 @@
+"""The typed errors graphamp raises: each names the file, line or op at fault and says the fix."""
+
+
+class GraphampError(Exception):
+    """Base class of every error graphamp raises on purpose."""
+
+
+class ListFileError(GraphampError, ValueError):
+    """A list file (or custom list argument) is unreadable, malformed, or names an unknown op."""
+
+
+class CaptureError(GraphampError, RuntimeError):
+    """torch.export could not capture the model; the message names the construct and the fix."""
+
+
+class LossScalingError(GraphampError, RuntimeError):
+    """The loss-scaling optimizer wrapper was used in an order or with inputs it cannot handle."""

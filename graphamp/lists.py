@@ -1,0 +1,291 @@
+"""AutoMixedPrecisionLists: which ops run low (white), stay FP32 (black) or follow their inputs (gray).
+
+The lists are data: plain text files (see lists/README.md) read here, plus the custom lists a user passes.
+Every effective entry remembers where it came from, so a decision can always be traced to a file line or
+an argument.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import functools
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from graphamp.errors import ListFileError
+
+WHITE, BLACK, GRAY = "white", "black", "gray"
+COLORS = (WHITE, BLACK, GRAY)
+_SECTIONS = {"all": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPE_NAMES = {
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+
+def default_lists_dir() -> Path:
+    """The shipped lists: graphamp/default_lists in an installed wheel, the top-level lists/ in a checkout."""
+    package_dir = Path(__file__).resolve().parent
+    installed = package_dir / "default_lists"
+    return installed if installed.is_dir() else package_dir.parent / "lists"
+
+
+def resolve_dtype(dtype) -> torch.dtype:
+    """'float16'/'bfloat16' (or fp16/bf16/half, or the torch dtype) as a torch dtype."""
+    if isinstance(dtype, torch.dtype) and dtype in (torch.float16, torch.bfloat16):
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in _DTYPE_NAMES:
+        return _DTYPE_NAMES[dtype.lower()]
+    raise ValueError(f"dtype={dtype!r} is not a low-precision float: use 'float16' or 'bfloat16'.")
+
+
+@dataclass(frozen=True)
+class ListEntry:
+    """One effective list entry: the op (or module pattern), its color and where it came from."""
+
+    name: str
+    color: str
+    source: str
+
+
+@functools.lru_cache(maxsize=1)
+def _known_op_names() -> tuple[str, ...]:
+    """Every registered op as a list file would name it (aten ops bare), for 'did you mean' suggestions."""
+    names = {s.name.removeprefix("aten::") for s in torch._C._jit_get_all_schemas()}
+    return tuple(sorted(n for n in names if not n.startswith(("prim::", "_caffe2::"))))
+
+
+def canonical_op_name(name: str) -> str:
+    """`aten::add.Tensor` and `add.Tensor` are the same entry; aten is the default namespace."""
+    name = name.strip()
+    return name.removeprefix("aten::")
+
+
+def op_lookup_keys(op) -> tuple[str, str]:
+    """The list keys an OpOverload answers to, most specific first: ('add.Tensor', 'add')."""
+    packet = canonical_op_name(op._schema.name)
+    return f"{packet}.{op._overloadname}", packet
+
+
+def _split_overload(entry: str) -> tuple[str, str | None]:
+    namespace, _, rest = entry.rpartition("::")
+    packet, dot, overload = rest.partition(".")
+    qualified = f"{namespace}::{packet}" if namespace else f"aten::{packet}"
+    return qualified, (overload if dot else None)
+
+
+def check_op_name(entry: str, where: str) -> None:
+    """Raise ListFileError for an op torch does not know; warn for a custom op not registered yet."""
+    qualified, overload = _split_overload(entry)
+    schemas = torch._C._jit_get_schemas_for_operator(qualified)
+    if not schemas:
+        if not qualified.startswith("aten::"):
+            warnings.warn(
+                f"{where}: custom op '{entry}' is not registered (yet); it is kept, and applies once "
+                f"torch.library registers it before the model is rewritten.",
+                stacklevel=3,
+            )
+            return
+        close = difflib.get_close_matches(entry.partition(".")[0], _known_op_names(), n=3, cutoff=0.6)
+        hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        raise ListFileError(f"{where}: unknown op '{entry}': torch.ops.aten has no such operator.{hint}")
+    if overload is not None:
+        overloads = {s.overload_name or "default" for s in schemas}
+        if overload not in overloads:
+            close = difflib.get_close_matches(overload, sorted(overloads), n=3, cutoff=0.0)
+            raise ListFileError(
+                f"{where}: '{qualified.removeprefix('aten::')}' has no overload '{overload}'. "
+                f"Known overloads: {', '.join(sorted(overloads))}"
+                + (f"; did you mean '{close[0]}'?" if close else ".")
+            )
+
+
+def read_list_file(path: Path, dtype: torch.dtype, display: str | None = None) -> list[tuple[str, str]]:
+    """(entry, 'file:line') pairs of one list file that apply to `dtype`, in file order.
+
+    Raises ListFileError for an unreadable file, an unknown section or a line holding more than one name.
+    """
+    display = display or str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise ListFileError(f"{display}: cannot read list file ({error}).") from error
+    section_dtype = None
+    entries = []
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        where = f"{display}:{number}"
+        if not line:
+            continue
+        if line.startswith("["):
+            name = line.strip("[]").strip()
+            if not line.endswith("]") or name not in _SECTIONS:
+                raise ListFileError(
+                    f"{where}: unknown section {line!r}; use [all], [float16] or [bfloat16] on a line of its own."
+                )
+            section_dtype = _SECTIONS[name]
+            continue
+        if len(line.split()) != 1:
+            raise ListFileError(f"{where}: {line!r} holds more than one name; write one op a line.")
+        if section_dtype is None or section_dtype == dtype:
+            entries.append((line, where))
+    return entries
+
+
+class AutoMixedPrecisionLists:
+    """The white/black/gray op lists and FP32 module patterns for one low-precision dtype.
+
+    Defaults come from the `lists/` files (or `lists_dir`, which replaces them); custom lists follow
+    Paddle's rules: a custom white op leaves black and gray, a custom black op leaves white and gray, a
+    custom gray op leaves white and black, and an op in two custom lists is a ValueError.
+    """
+
+    def __init__(
+        self,
+        custom_white_list=None,
+        custom_black_list=None,
+        custom_gray_list=None,
+        custom_black_modules=None,
+        dtype="float16",
+        lists_dir=None,
+    ):
+        self.dtype = resolve_dtype(dtype)
+        self.lists_dir = Path(lists_dir) if lists_dir is not None else default_lists_dir()
+        if not self.lists_dir.is_dir():
+            raise ListFileError(f"{self.lists_dir}: lists_dir is not a folder of white.txt/black.txt/gray.txt.")
+        self._entries: dict[str, ListEntry] = {}
+        self._read_default_files()
+        self._apply_custom_lists(
+            {WHITE: custom_white_list, BLACK: custom_black_list, GRAY: custom_gray_list}
+        )
+        self.black_modules = self._read_black_modules(custom_black_modules)
+
+    # -- reading -------------------------------------------------------------------------------------------
+    def _display(self, path: Path) -> str:
+        """`lists/white.txt` for the shipped files, the path as given for a user's folder."""
+        return f"lists/{path.name}" if self.lists_dir == default_lists_dir() else str(path)
+
+    def _read_default_files(self) -> None:
+        for color in COLORS:
+            path = self.lists_dir / f"{color}.txt"
+            if not path.exists():
+                if self.lists_dir == default_lists_dir():
+                    raise ListFileError(f"{path}: the shipped list file is missing; reinstall graphamp.")
+                continue  # a user's folder may leave a color empty
+            for entry, where in read_list_file(path, self.dtype, self._display(path)):
+                name = canonical_op_name(entry)
+                check_op_name(name, where)
+                earlier = self._entries.get(name)
+                if earlier is not None:
+                    raise ListFileError(
+                        f"{where}: '{name}' is already {earlier.color} at {earlier.source}; "
+                        f"keep it on one list for {self.dtype_name}."
+                    )
+                self._entries[name] = ListEntry(name, color, where)
+
+    def _apply_custom_lists(self, custom: dict[str, object]) -> None:
+        owners: dict[str, str] = {}
+        for color, ops in custom.items():
+            for op in _as_names(ops, f"custom_{color}_list"):
+                name = canonical_op_name(op)
+                if name in owners and owners[name] != color:
+                    raise ValueError(
+                        f"op '{name}' is in both custom_{owners[name]}_list and custom_{color}_list; "
+                        f"keep it in one."
+                    )
+                owners[name] = color
+        for name, color in owners.items():
+            check_op_name(name, f"custom_{color}_list")
+            # A custom packet entry ('add') takes all its overloads ('add.Tensor') away from other lists.
+            for other in [n for n in self._entries if n == name or n.startswith(name + ".")]:
+                del self._entries[other]
+            self._entries[name] = ListEntry(name, color, f"custom_{color}_list")
+
+    def _read_black_modules(self, custom_black_modules) -> tuple[ListEntry, ...]:
+        patterns = []
+        path = self.lists_dir / "black_modules.txt"
+        if path.exists():
+            for entry, where in read_list_file(path, self.dtype, self._display(path)):
+                patterns.append(ListEntry(entry, BLACK, where))
+        for pattern in _as_names(custom_black_modules, "custom_black_modules"):
+            patterns.append(ListEntry(pattern, BLACK, f"custom_black_modules: {pattern}"))
+        return tuple(patterns)
+
+    # -- queries -------------------------------------------------------------------------------------------
+    @property
+    def dtype_name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+    def entries(self, color: str | None = None) -> list[ListEntry]:
+        """The effective op entries, sorted by name; only those of `color` when given."""
+        return sorted(
+            (e for e in self._entries.values() if color is None or e.color == color), key=lambda e: e.name
+        )
+
+    @property
+    def white_list(self) -> frozenset[str]:
+        return frozenset(e.name for e in self.entries(WHITE))
+
+    @property
+    def black_list(self) -> frozenset[str]:
+        return frozenset(e.name for e in self.entries(BLACK))
+
+    @property
+    def gray_list(self) -> frozenset[str]:
+        return frozenset(e.name for e in self.entries(GRAY))
+
+    def classify(self, op) -> ListEntry | None:
+        """The entry deciding an OpOverload (overload entry before packet entry), or None if unlisted."""
+        for key in op_lookup_keys(op):
+            entry = self._entries.get(key)
+            if entry is not None:
+                return entry
+        return None
+
+    def black_module_for(self, module_path: str) -> ListEntry | None:
+        """The pattern that keeps `module_path` (or a module containing it) in FP32, if any."""
+        if not self.black_modules or not module_path:
+            return None
+        parts = module_path.split(".")
+        prefixes = [".".join(parts[: i + 1]) for i in range(len(parts))]
+        for pattern in self.black_modules:
+            if any(fnmatch.fnmatchcase(prefix, pattern.name) for prefix in prefixes):
+                return pattern
+        return None
+
+    def describe(self) -> str:
+        """Every effective entry with its source, one a line, grouped white/black/gray."""
+        lines = [f"AutoMixedPrecisionLists(dtype={self.dtype_name}, lists_dir={self.lists_dir})"]
+        for color in COLORS:
+            entries = self.entries(color)
+            lines.append(f"{color} ({len(entries)}):")
+            lines += [f"  {e.name:<40} {e.source}" for e in entries]
+        if self.black_modules:
+            lines.append(f"black modules ({len(self.black_modules)}):")
+            lines += [f"  {e.name:<40} {e.source}" for e in self.black_modules]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        counts = ", ".join(f"{c}={len(self.entries(c))}" for c in COLORS)
+        customs = [e for e in self._entries.values() if e.source.startswith("custom_")]
+        custom = "".join(f", {e.source}+={e.name}" for e in sorted(customs, key=lambda e: e.name))
+        modules = f", black_modules={[e.name for e in self.black_modules]}" if self.black_modules else ""
+        return f"AutoMixedPrecisionLists(dtype={self.dtype_name}, {counts}{custom}{modules})"
+
+
+def _as_names(values, argument: str) -> list[str]:
+    """A custom list argument as a list of names; a bare string is one name, not its characters."""
+    if values is None:
+        return []
+    if isinstance(values, str):
+        values = [values]
+    names = []
+    for value in values:
+        if not isinstance(value, str) or not value.strip():
+            raise ListFileError(f"{argument}: {value!r} is not an op name; pass names like 'linear' or 'mylib::op'.")
+        names.append(value.strip())
+    return names
