@@ -16,6 +16,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
+import torch.utils._pytree as pytree
 from torch._guards import detect_fake_mode
 from torch._ops import HigherOrderOperator, OpOverload
 from torch.fx import GraphModule, Node
@@ -34,6 +35,14 @@ _MODEL_CAST_OPS = {
     aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.to.other,
     aten.type_as.default,
 }
+# Normalization kernels take half X with FP32 scale/bias/statistics and accumulate in FP32 inside (Paddle
+# keeps these inputs FP32 too): those inputs are never cast and do not decide a gray op's dtype.
+_NORM_OPS = {
+    "batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
+    "_native_batch_norm_legit_functional", "instance_norm", "layer_norm", "native_layer_norm", "group_norm",
+    "native_group_norm",
+}
+_NORM_PARAMETER_ARGS = {"weight", "bias", "running_mean", "running_var"}
 # export's checks that a `.to()` result has the traced dtype; after the rewrite the dtype may differ.
 _TRACE_ASSERTS = {aten._assert_tensor_metadata.default}
 
@@ -158,9 +167,12 @@ class _CastPass:
         decision, source = self._decide(node)
         self.report.decisions[decision] += 1
         node.meta["graphamp"] = {"decision": decision, "source": source, "module": module_path(node)}
-        mutated = _mutated_inputs(node)
-        floats = [n for n in node.all_input_nodes if _is_castable(n) and n not in mutated]
+        mutated = _inputs_where(node, lambda arg: arg.alias_info is not None and arg.alias_info.is_write)
+        left_alone = mutated | _norm_parameter_inputs(node)
+        floats = [n for n in node.all_input_nodes if _is_castable(n) and n not in left_alone]
         target = None if decision == EXPLICIT_CAST else self._target_dtype(decision, floats)
+        if target == torch.float32 and decision in (GRAY, UNLISTED) and self._promotes_to_fp32(node):
+            target = None  # add(bf16, fp32) already computes in FP32 inside the kernel: a cast would only cost
         if target is not None:
             replace = {n: self._cast(n, target, node) for n in floats if self._needs_cast(n, target)}
             if replace:
@@ -229,6 +241,17 @@ class _CastPass:
         for key in [k for k in self.casts if k[0] is root]:
             del self.casts[key]
 
+    def _promotes_to_fp32(self, node: Node) -> bool:
+        """Whether torch's type promotion runs this op in FP32 on its mixed inputs as they are."""
+        args, kwargs = map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+        try:
+            with self.fake_mode:
+                result = node.target(*args, **kwargs)
+        except Exception:  # the op wants matching dtypes: cast explicitly
+            return False
+        floats = [t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        return bool(floats) and all(t.dtype == torch.float32 for t in floats)
+
     def _refresh_meta(self, node: Node) -> None:
         """Recompute node.meta['val'] on fake tensors when an input's dtype changed, so it stays true."""
         if all(_dtype_signature(n.meta.get("val")) == self.traced_signature.get(n) for n in node.all_input_nodes):
@@ -262,11 +285,17 @@ def _has_explicit_float_dtype(node: Node) -> bool:
     return False
 
 
-def _mutated_inputs(node: Node) -> set[Node]:
-    """The inputs an in-place or out= op writes to: casting them would drop the write."""
-    mutated = set()
+def _inputs_where(node: Node, predicate) -> set[Node]:
+    """The input nodes passed for the schema arguments that satisfy `predicate`."""
+    found = set()
     for index, argument in enumerate(node.target._schema.arguments):
-        if argument.alias_info is not None and argument.alias_info.is_write:
+        if predicate(argument):
             value = node.kwargs.get(argument.name, node.args[index] if index < len(node.args) else None)
-            map_arg(value, mutated.add)
-    return mutated
+            map_arg(value, found.add)
+    return found
+
+
+def _norm_parameter_inputs(node: Node) -> set[Node]:
+    if op_lookup_keys(node.target)[1] not in _NORM_OPS:
+        return set()
+    return _inputs_where(node, lambda argument: argument.name in _NORM_PARAMETER_ARGS)

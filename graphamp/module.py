@@ -183,12 +183,8 @@ def _check_master_weights(model: nn.Module) -> None:
             )
 
 
-_warned_fp16_on_cpu = False
-
-
 def _check_dtype_runs_on(model: nn.Module, dtype: torch.dtype) -> None:
     """A dtype the device cannot run is an error now, not a crash deep inside a kernel."""
-    global _warned_fp16_on_cpu
     device = _device_of(model)
     if device is None:
         return
@@ -196,9 +192,8 @@ def _check_dtype_runs_on(model: nn.Module, dtype: torch.dtype) -> None:
         raise ValueError(
             f"{torch.cuda.get_device_name(device)} cannot run bfloat16: use AutoMixedPrecisionLists(dtype='float16')."
         )
-    if device.type == "cpu" and dtype == torch.float16 and not _warned_fp16_on_cpu:
-        _warned_fp16_on_cpu = True
-        warnings.warn(
+    if device.type == "cpu" and dtype == torch.float16:
+        warnings.warn(  # Python's default filter shows it once per calling line
             "float16 on CPU runs but is about 100x slower than bfloat16 on this kind of CPU: "
             "use AutoMixedPrecisionLists(dtype='bfloat16') for speed.",
             stacklevel=3,

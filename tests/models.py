@@ -1,0 +1,141 @@
+"""Small real models the tests capture: transformers configs, a ResNet-style CNN, an LSTM, custom ops."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB = 96
+
+
+def gpt2(n_layer=2, n_embd=64, attn_implementation="sdpa"):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        n_layer=n_layer, n_head=4, n_embd=n_embd, vocab_size=VOCAB, n_positions=64, use_cache=False,
+        bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        attn_implementation=attn_implementation,
+    )
+    return GPT2LMHeadModel(config)
+
+
+def bert(num_labels=3):
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        max_position_embeddings=64, num_labels=num_labels, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, pad_token_id=0,
+    )
+    return BertForSequenceClassification(config)
+
+
+def token_batch(batch=2, seq=16, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(1, VOCAB, (batch, seq), generator=generator)
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, channels_in, channels_out, stride=1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels_in, channels_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels_out)
+        self.conv2 = nn.Conv2d(channels_out, channels_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels_out)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or channels_in != channels_out:
+            self.shortcut = nn.Sequential(
+                nn.Conv2d(channels_in, channels_out, 1, stride, bias=False), nn.BatchNorm2d(channels_out)
+            )
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(out)) + self.shortcut(x))
+
+
+class SmallResNet(nn.Module):
+    """ResNet-style: conv stem, BatchNorm, residual blocks, global pooling, linear head."""
+
+    def __init__(self, num_classes=10, width=16, in_channels=1):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(in_channels, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
+        self.layer1 = BasicBlock(width, width)
+        self.layer2 = BasicBlock(width, 2 * width, stride=2)
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(2 * width, num_classes)
+
+    def forward(self, x):
+        x = self.layer2(self.layer1(self.stem(x)))
+        return self.fc(torch.flatten(self.pool(x), 1))
+
+
+class LSTMClassifier(nn.Module):
+    def __init__(self, vocab=VOCAB, hidden=32, num_classes=4):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.lstm = nn.LSTM(hidden, hidden, num_layers=1, batch_first=True)
+        self.head = nn.Linear(hidden, num_classes)
+
+    def forward(self, tokens):
+        out, _ = self.lstm(self.embed(tokens))
+        return self.head(out[:, -1])
+
+
+@torch.library.custom_op("graphamp_test::scaled_tanh", mutates_args=())
+def scaled_tanh(x: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.tanh(x) * scale
+
+
+@scaled_tanh.register_fake
+def _(x, scale):
+    return torch.empty_like(x)
+
+
+def _scaled_tanh_backward(ctx, grad):
+    (x,) = ctx.saved_tensors
+    return grad * ctx.scale * (1 - torch.tanh(x) ** 2), None
+
+
+def _scaled_tanh_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0])
+    ctx.scale = inputs[1]
+
+
+scaled_tanh.register_autograd(_scaled_tanh_backward, setup_context=_scaled_tanh_setup)
+
+
+class CustomOpModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(8, 16)
+        self.fc2 = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.fc2(torch.ops.graphamp_test.scaled_tanh(self.fc1(x), 2.0))
+
+
+class RegionsModel(nn.Module):
+    """A torch.no_grad() region and a torch.cond: higher-order sub-graphs the pass must rewrite too."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.true_branch = nn.Linear(8, 8)
+        self.false_branch = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        with torch.no_grad():
+            centre = self.fc(x).mean(dim=0, keepdim=True)
+        h = h - centre
+        return torch.cond(h.sum() > 0, lambda t: self.true_branch(t).relu(), lambda t: self.false_branch(t), (h,))
+
+
+def digits(n=256):
+    """sklearn's bundled 8x8 digits: real data, no download."""
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    images = torch.tensor(data.images[:n], dtype=torch.float32).unsqueeze(1) / 16.0
+    return images, torch.tensor(data.target[:n])

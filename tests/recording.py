@@ -1,0 +1,47 @@
+"""A TorchDispatchMode that records the dtypes each ATen kernel actually executes with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+@dataclass
+class KernelCall:
+    op: str  # packet name, e.g. "addmm", "native_layer_norm", "_to_copy"
+    in_dtypes: tuple
+    out_dtypes: tuple
+
+
+class DtypeRecorder(TorchDispatchMode):
+    """`with DtypeRecorder() as rec: model(x).backward()` then ask `rec.calls_of("addmm")`."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[KernelCall] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.calls.append(
+            KernelCall(
+                func._schema.name.removeprefix("aten::"),
+                tuple(t.dtype for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)),
+                tuple(t.dtype for t in tree_leaves(out) if isinstance(t, torch.Tensor)),
+            )
+        )
+        return out
+
+    def calls_of(self, *ops: str) -> list[KernelCall]:
+        return [c for c in self.calls if c.op in ops]
+
+    @property
+    def casts(self) -> int:
+        """Dtype conversions executed (autocast's and graphamp's both run aten::_to_copy)."""
+        return sum(1 for c in self.calls if c.op == "_to_copy" and c.in_dtypes[:1] != c.out_dtypes[:1])
+
+
+def floating(dtypes) -> set:
+    return {d for d in dtypes if d.is_floating_point}
