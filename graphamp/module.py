@@ -37,7 +37,6 @@ class AmpModule(nn.Module):
         self.__dict__["_buffers"] = model._buffers
         self.__dict__["_non_persistent_buffers_set"] = model._non_persistent_buffers_set
         self.__dict__["_modules"] = model._modules
-        self.training = model.training
         self.amp_lists = amp_lists
         self.level = level
         self.compile = compile
@@ -65,9 +64,20 @@ class AmpModule(nn.Module):
         """Every cached capture, oldest first (one per mode and input signature)."""
         return list(self._captures.values())
 
+    @property
+    def training(self) -> bool:
+        """The original's mode: `model.eval()` and `amp_model.eval()` are the same switch."""
+        original = self.__dict__.get("_original")
+        return original.training if original is not None else True
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        original = self.__dict__.get("_original")
+        if original is not None:  # nn.Module.__init__ sets it before the original is attached
+            original.training = mode
+
     def train(self, mode: bool = True):
         self._original.train(mode)
-        self.training = mode
         return self
 
     def forward(self, *args, **kwargs):
