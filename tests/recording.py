@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch._higher_order_ops.cond import cond_op
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -41,6 +42,13 @@ class DtypeRecorder(TorchDispatchMode):
     def casts(self) -> int:
         """Dtype conversions executed (autocast's and graphamp's both run aten::_to_copy)."""
         return sum(1 for c in self.calls if c.op == "_to_copy" and c.in_dtypes[:1] != c.out_dtypes[:1])
+
+
+@cond_op.py_impl(DtypeRecorder)
+def _cond_under_recorder(mode, pred, true_fn, false_fn, operands):
+    """torch.cond under the recorder: run the taken branch eagerly, so its kernels are recorded too."""
+    with mode:
+        return (true_fn if bool(pred) else false_fn)(*operands)
 
 
 def floating(dtypes) -> set:
