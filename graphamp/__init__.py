@@ -2,11 +2,10 @@
 
 from graphamp.errors import CaptureError, GraphampError, ListFileError, LossScalingError
 from graphamp.lists import AutoMixedPrecisionLists
-from graphamp.module import AmpModule, rewrite
+from graphamp.module import rewrite
 from graphamp.optimizer import decorate
 
 __all__ = [
-    "AmpModule",
     "AutoMixedPrecisionLists",
     "CaptureError",
     "GraphampError",
