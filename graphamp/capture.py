@@ -7,7 +7,9 @@ IR is not functional: BatchNorm's running statistics are updated in place on tho
 
 from __future__ import annotations
 
+import inspect
 import traceback
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,7 +56,9 @@ def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
     args, kwargs = _ordinary_tensors((args, kwargs))
     try:
         # Grad mode is fixed so that one graph serves calls under no_grad/inference_mode too.
-        with torch.inference_mode(False), torch.enable_grad():
+        with torch.inference_mode(False), torch.enable_grad(), warnings.catch_warnings():
+            # nn.RNN keeps a Python list of its own parameters; export flags it, but they are parameters.
+            warnings.filterwarnings("ignore", message=r"The tensor attributes self\..*_flat_weights")
             program = torch.export.export(model, tuple(args), kwargs, strict=False)
     except CaptureError:
         raise
@@ -117,7 +121,7 @@ def _from_program(model: nn.Module, program: torch.export.ExportedProgram) -> Ca
 def explain_capture_failure(model: nn.Module, error: Exception) -> str:
     """One message: which construct failed, where in the user's code, and the fix."""
     text = str(error)
-    where = _user_frame(error)
+    where = _user_frame(error) or _forward_location(model)
     at = f" at {where}" if where else ""
     name = type(model).__name__
     if "Cache" in text and "not a known type" in text:
@@ -146,9 +150,22 @@ def explain_capture_failure(model: nn.Module, error: Exception) -> str:
 def _user_frame(error: Exception) -> str:
     """'file:line (code)' of the deepest frame outside torch itself, where the construct is."""
     frames = traceback.extract_tb(error.__traceback__)
-    user = [f for f in frames if not str(Path(f.filename).resolve()).startswith((_TORCH_DIR, _GRAPHAMP_DIR))]
+    user = [
+        f for f in frames
+        if not f.filename.startswith("<")  # code torch generates (<string>, <eval_with_key>) is nobody's to fix
+        and not str(Path(f.filename).resolve()).startswith((_TORCH_DIR, _GRAPHAMP_DIR))
+    ]
     if not user:
         return ""
     frame = user[-1]
     code = f" ({frame.line.strip()})" if frame.line else ""
     return f"{frame.filename}:{frame.lineno}{code}"
+
+
+def _forward_location(model: nn.Module) -> str:
+    """'file:line (Class.forward)' where the model's forward is defined, when no frame names the construct."""
+    try:
+        forward = inspect.unwrap(type(model).forward)
+        return f"{inspect.getsourcefile(forward)}:{inspect.getsourcelines(forward)[1]} ({type(model).__name__}.forward)"
+    except (OSError, TypeError):
+        return ""

@@ -132,6 +132,21 @@ class RegionsModel(nn.Module):
         return torch.cond(h.sum() > 0, lambda t: self.true_branch(t).relu(), lambda t: self.false_branch(t), (h,))
 
 
+class InputGatedRegionsModel(RegionsModel):
+    """RegionsModel with the torch.cond predicate taken on the input, for comparing runs across dtypes.
+
+    RegionsModel's predicate sums values centred over the batch: about 1e-7 in FP32, so rounding picks its branch
+    and an FP32 run and a low-precision run may take different branches. The sign of the input's sum is exact.
+    """
+
+    def forward(self, x):
+        h = self.fc(x)
+        with torch.no_grad():
+            centre = self.fc(x).mean(dim=0, keepdim=True)
+        h = h - centre
+        return torch.cond(x.sum() > 0, lambda t: self.true_branch(t).relu(), lambda t: self.false_branch(t), (h,))
+
+
 def digits(n=256):
     """sklearn's bundled 8x8 digits: real data, no download."""
     from sklearn.datasets import load_digits
