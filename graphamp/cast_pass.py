@@ -111,8 +111,8 @@ class _CastPass:
         self.low = amp_lists.dtype
         self.level = level
         self.report = report
-        self.traced_dtype = {node: node_dtype(node) for node in self.graph.nodes}
-        self.traced_signature = {node: _dtype_signature(node.meta.get("val")) for node in self.graph.nodes}
+        # The dtype each value had when traced (a tuple of dtypes for multi-output ops).
+        self.traced_dtype = {node: _dtype_signature(node.meta.get("val")) for node in self.graph.nodes}
         self.never_cast_down = {n for n in self.graph.nodes if n.op == "placeholder" and n.name in fp32_placeholders}
         self.casts: dict[tuple[Node, torch.dtype], Node] = {}
         self.cast_source: dict[Node, Node] = {}
@@ -254,7 +254,7 @@ class _CastPass:
 
     def _refresh_meta(self, node: Node) -> None:
         """Recompute node.meta['val'] on fake tensors when an input's dtype changed, so it stays true."""
-        if all(_dtype_signature(n.meta.get("val")) == self.traced_signature.get(n) for n in node.all_input_nodes):
+        if all(_dtype_signature(n.meta.get("val")) == self.traced_dtype.get(n) for n in node.all_input_nodes):
             return
         args, kwargs = map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
         with self.fake_mode:
