@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import graphamp
 from models import LSTMClassifier, SmallResNet, bert, digits, gpt2, token_batch
 from recording import DtypeRecorder
+from training import mean_loss_of_first_and_last_epoch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -93,23 +94,9 @@ def built(case):
 def train(net, parameters, batches, loss_fn, make_optimizer, amp_lists=None):
     """TRAINING_STEPS steps cycling over `batches` (float16: with loss scaling); first and last epoch's mean loss."""
     optimizer = make_optimizer(parameters)
-    loss_scaling = amp_lists is not None and amp_lists.dtype == torch.float16
-    if loss_scaling:
+    if amp_lists is not None and amp_lists.dtype == torch.float16:
         optimizer = graphamp.decorate(optimizer, amp_lists=amp_lists)
-    losses = []
-    for step in range(TRAINING_STEPS):
-        args, kwargs, target = batches[step % len(batches)]
-        loss = loss_fn(net(*args, **kwargs), target)
-        optimizer.zero_grad()
-        if loss_scaling:
-            optimizer.minimize(loss)
-        else:
-            loss.backward()
-            optimizer.step()
-        losses.append(loss.detach())
-    losses = torch.stack(losses).tolist()
-    epoch = len(batches)
-    return sum(losses[:epoch]) / epoch, sum(losses[-epoch:]) / epoch
+    return mean_loss_of_first_and_last_epoch(net, optimizer, batches, loss_fn, TRAINING_STEPS)
 
 
 @pytest.mark.parametrize("dtype, case", PARAMS)

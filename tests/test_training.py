@@ -24,6 +24,7 @@ from models import (
     gpt2,
     token_batch,
 )
+from training import mean_loss_of_first_and_last_epoch
 
 # Measured on this CPU (torch 2.13) at the seeds the tests use, with the worst of 5 seeds (of the weights) in
 # brackets; tolerances are 2x-5x the worst measured value.
@@ -214,19 +215,8 @@ def train(model, batches, loss_fn, make_optimizer, amp_lists=None, loss_scaling=
     optimizer = make_optimizer(model.parameters())
     if loss_scaling:
         optimizer = graphamp.decorate(optimizer, amp_lists=amp_lists)
-    losses = []
-    for step in range(TRAINING_STEPS):
-        args, kwargs, target = batches[step % len(batches)]
-        loss = loss_fn(net(*args, **kwargs), target)
-        optimizer.zero_grad()
-        if loss_scaling:
-            optimizer.minimize(loss)
-        else:
-            loss.backward()
-            optimizer.step()
-        losses.append(loss.item())
-    epoch = len(batches)
-    return sum(losses[:epoch]) / epoch, sum(losses[-epoch:]) / epoch, optimizer
+    first, last = mean_loss_of_first_and_last_epoch(net, optimizer, batches, loss_fn, TRAINING_STEPS)
+    return first, last, optimizer
 
 
 def hf_loss(out, _):

@@ -1,0 +1,23 @@
+"""The few-step training loop the training tests share (CPU and CUDA)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def mean_loss_of_first_and_last_epoch(net, optimizer, batches, loss_fn, steps: int) -> tuple[float, float]:
+    """`steps` steps cycling over `batches` of (args, kwargs, target); a decorated optimizer minimizes the loss."""
+    losses = []
+    for step in range(steps):
+        args, kwargs, target = batches[step % len(batches)]
+        loss = loss_fn(net(*args, **kwargs), target)
+        optimizer.zero_grad()
+        if hasattr(optimizer, "minimize"):  # graphamp.decorate's wrapper: loss scaling, skip on inf/NaN
+            optimizer.minimize(loss)
+        else:
+            loss.backward()
+            optimizer.step()
+        losses.append(loss.detach())
+    losses = torch.stack(losses).tolist()  # one host sync, after the loop
+    epoch = len(batches)
+    return sum(losses[:epoch]) / epoch, sum(losses[-epoch:]) / epoch
