@@ -83,11 +83,15 @@ def insert_casts(
     fp32_outputs: cast outputs back to their traced dtype (float32), so the loss comes back FP32.
     fp32_placeholders: placeholder names that are never cast down (normalization parameters under O2).
     """
-    if level not in LEVELS:
-        raise ValueError(f"level={level!r}: use 'O1' (lists decide) or 'O2' (all but black ops run low).")
+    check_level(level)
     report = RewriteReport(dtype=amp_lists.dtype, level=level)
     _CastPass(graph_module, amp_lists, level, report, fp32_placeholders).run(restore_outputs=fp32_outputs)
     return report
+
+
+def check_level(level: str) -> None:
+    if level not in LEVELS:
+        raise ValueError(f"level={level!r}: use 'O1' (lists decide) or 'O2' (all but black ops run low).")
 
 
 def node_dtype(node) -> torch.dtype | None:

@@ -16,7 +16,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from graphamp.capture import Captured, capture
-from graphamp.cast_pass import HALF_DTYPES, RewriteReport, insert_casts
+from graphamp.cast_pass import HALF_DTYPES, RewriteReport, check_level, insert_casts
 from graphamp.lists import AutoMixedPrecisionLists
 
 DEFAULT_MAX_CAPTURES = 8
@@ -156,6 +156,7 @@ def rewrite(
         raise ValueError("this model was already rewritten by graphamp; pass the original nn.Module.")
     if not isinstance(model, nn.Module):
         raise TypeError(f"rewrite() takes an nn.Module, got {type(model).__name__}.")
+    check_level(level)
     amp_lists = amp_lists if amp_lists is not None else AutoMixedPrecisionLists()
     _check_master_weights(model)
     _check_dtype_runs_on(model, amp_lists.dtype)
