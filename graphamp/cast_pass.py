@@ -22,10 +22,9 @@ from torch._ops import HigherOrderOperator, OpOverload
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
-from graphamp.lists import BLACK, GRAY, WHITE, AutoMixedPrecisionLists, op_lookup_keys
+from graphamp.lists import BLACK, GRAY, HALF_DTYPES, WHITE, AutoMixedPrecisionLists, op_lookup_keys
 
 aten = torch.ops.aten
-HALF_DTYPES = (torch.float16, torch.bfloat16)
 CAST_OP = aten._to_copy.default
 UNLISTED, EXPLICIT_CAST, INSERTED_CAST = "unlisted", "explicit-cast", "inserted-cast"
 LEVELS = ("O1", "O2")

@@ -20,6 +20,7 @@ from graphamp.errors import ListFileError
 
 WHITE, BLACK, GRAY = "white", "black", "gray"
 COLORS = (WHITE, BLACK, GRAY)
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 _SECTIONS = {"all": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _DTYPE_NAMES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -36,7 +37,7 @@ def default_lists_dir() -> Path:
 
 def resolve_dtype(dtype) -> torch.dtype:
     """'float16'/'bfloat16' (or fp16/bf16/half, or the torch dtype) as a torch dtype."""
-    if isinstance(dtype, torch.dtype) and dtype in (torch.float16, torch.bfloat16):
+    if isinstance(dtype, torch.dtype) and dtype in HALF_DTYPES:
         return dtype
     if isinstance(dtype, str) and dtype.lower() in _DTYPE_NAMES:
         return _DTYPE_NAMES[dtype.lower()]

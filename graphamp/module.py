@@ -16,8 +16,8 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from graphamp.capture import Captured, capture
-from graphamp.cast_pass import HALF_DTYPES, RewriteReport, check_level, insert_casts
-from graphamp.lists import AutoMixedPrecisionLists
+from graphamp.cast_pass import RewriteReport, check_level, insert_casts
+from graphamp.lists import HALF_DTYPES, AutoMixedPrecisionLists
 
 DEFAULT_MAX_CAPTURES = 8
 

@@ -8,9 +8,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from graphamp.errors import LossScalingError
+from graphamp.lists import HALF_DTYPES, resolve_dtype
 from graphamp.scaling import LossScaler
-
-_HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def decorate(
@@ -48,11 +47,12 @@ def decorate(
     if len({id(opt) for opt in optimizers}) != len(optimizers):
         raise LossScalingError("decorate() got the same optimizer twice: pass each optimizer once.")
 
-    dtype = torch.float16 if amp_lists is None else amp_lists.dtype
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype, dtype)
-    if dtype not in _HALF_DTYPES:
-        raise LossScalingError(f"amp_lists.dtype is {dtype}: loss scaling is for torch.float16 or torch.bfloat16.")
+    try:
+        dtype = torch.float16 if amp_lists is None else resolve_dtype(amp_lists.dtype)
+    except ValueError as error:
+        raise LossScalingError(
+            f"amp_lists.dtype is {amp_lists.dtype}: loss scaling is for torch.float16 or torch.bfloat16."
+        ) from error
     if use_dynamic_loss_scaling is None and dtype == torch.bfloat16:
         init_loss_scaling = 1.0
     loss_scaler = LossScaler(
@@ -330,7 +330,7 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
                 grad = param.grad
                 if grad is not None:
                     grads.append(grad._values() if grad.is_sparse else grad)
-        if any(grad.dtype in _HALF_DTYPES for grad in grads):
+        if any(grad.dtype in HALF_DTYPES for grad in grads):
             self._raise_half_gradient()
         return grads
 
@@ -338,7 +338,7 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
         for g, group in enumerate(self._optimizer.param_groups):
             names = group.get("param_names")
             for i, param in enumerate(group["params"]):
-                if param.grad is not None and param.grad.dtype in _HALF_DTYPES:
+                if param.grad is not None and param.grad.dtype in HALF_DTYPES:
                     where = repr(names[i]) if names else f"#{i} of param group {g} (shape {tuple(param.shape)})"
                     dtype = str(param.grad.dtype).removeprefix("torch.")
                     raise LossScalingError(

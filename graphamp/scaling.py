@@ -21,6 +21,7 @@ import torch
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from graphamp.errors import LossScalingError
+from graphamp.lists import HALF_DTYPES
 
 
 _STATE_KEYS = (
@@ -165,7 +166,7 @@ class LossScaler:
         """``loss`` times the scale. A float16/bfloat16 loss is scaled in float32 so the product cannot overflow."""
         if self._scale is None:
             self._lazy_init(loss.device)
-        if loss.dtype in (torch.float16, torch.bfloat16):
+        if loss.dtype in HALF_DTYPES:
             loss = loss.float()
         return loss * self._scale.to(loss.device, non_blocking=True)
 
