@@ -23,7 +23,7 @@ from models import (
     gpt2,
     token_batch,
 )
-from recording import DtypeRecorder
+from graphamp.recording import DtypeRecorder
 
 # bfloat16 keeps 8 bits of mantissa: ~2^-8 = 4e-3 relative error per rounding. Measured in these tests: 1.5e-3 to
 # 5.2e-3 (GPT-2 3.6e-3 to 3.8e-3, BERT 4.8e-3, SmallResNet 3.8e-3 to 4.8e-3, Linear in NestedOutputs 5.2e-3); 4x margin.

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import graphamp
 from models import LSTMClassifier, SmallResNet, bert, digits, gpt2, token_batch
-from recording import DtypeRecorder
+from graphamp.recording import DtypeRecorder
 from training import mean_loss_of_first_and_last_epoch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

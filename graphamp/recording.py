@@ -1,4 +1,8 @@
-"""A TorchDispatchMode that records the dtypes each ATen kernel actually executes with."""
+"""A TorchDispatchMode that records the dtypes each ATen kernel actually executes with.
+
+Used by the tests (do decisions match what runs?), by export's report (casts vs torch.autocast) and by the
+benchmarks (casts executed per step). Recording runs every kernel through Python: measure speed without it.
+"""
 
 from __future__ import annotations
 
