@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 import traceback
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -49,6 +49,7 @@ class Captured:
     parameter_placeholders: dict[str, str]  # placeholder name -> parameter FQN
     report: object = None  # the cast pass's RewriteReport, once rewritten
     run: object = None  # graph_module, or its torch.compile'd form
+    timings: dict = field(default_factory=dict)  # phase -> seconds: capture, cast pass, inductor compiles
 
 
 def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:

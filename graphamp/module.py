@@ -17,9 +17,13 @@ from torch import nn
 
 from graphamp.capture import Captured, capture
 from graphamp.cast_pass import RewriteReport, check_level, insert_casts
+from graphamp.compiled import CompiledGraph
 from graphamp.lists import HALF_DTYPES, AutoMixedPrecisionLists
+from graphamp.progress import Progress
 
 DEFAULT_MAX_CAPTURES = 8
+CAPTURE_PHASE = "capturing the model with torch.export"
+CAST_PASS_PHASE = "inserting casts"
 
 
 class AmpModule(nn.Module):
@@ -30,7 +34,10 @@ class AmpModule(nn.Module):
     and `.to()`/`.train()`/`.eval()` act on both.
     """
 
-    def __init__(self, model, amp_lists, level="O1", compile=False, fp32_outputs=True, max_captures=DEFAULT_MAX_CAPTURES):
+    def __init__(
+        self, model, amp_lists, level="O1", compile=False, fp32_outputs=True, max_captures=DEFAULT_MAX_CAPTURES,
+        progress=None,
+    ):
         super().__init__()
         self.__dict__["_original"] = model  # not registered: its tables are ours already
         self.__dict__["_parameters"] = model._parameters
@@ -42,6 +49,7 @@ class AmpModule(nn.Module):
         self.compile = compile
         self.fp32_outputs = fp32_outputs
         self.max_captures = max_captures
+        self.progress = Progress(progress)
         self._captures: OrderedDict[Hashable, Captured] = OrderedDict()
         self._last: Captured | None = None
 
@@ -58,6 +66,11 @@ class AmpModule(nn.Module):
     def report(self) -> RewriteReport:
         """What the cast pass decided for `graph_module`."""
         return self._last.report
+
+    @property
+    def timings(self) -> dict:
+        """Seconds per phase of the latest call's capture: capture, cast pass, and inductor's compiles."""
+        return self._last.timings
 
     @property
     def captures(self) -> list[Captured]:
@@ -108,16 +121,22 @@ class AmpModule(nn.Module):
         return captured, flat_inputs
 
     def _capture(self, args: tuple, kwargs: dict) -> Captured:
-        captured = capture(self._original, args, kwargs)
+        timings = {}
+        with self.progress.phase(CAPTURE_PHASE, timings):
+            captured = capture(self._original, args, kwargs)
         keep_fp32 = frozenset()
         if self.level == "O2":
             keep_fp32 = frozenset(
                 name for name, fqn in captured.parameter_placeholders.items() if _is_norm_parameter(self._original, fqn)
             )
-        captured.report = insert_casts(
-            captured.graph_module, self.amp_lists, self.level, self.fp32_outputs, keep_fp32
+        with self.progress.phase(CAST_PASS_PHASE, timings):
+            captured.report = insert_casts(
+                captured.graph_module, self.amp_lists, self.level, self.fp32_outputs, keep_fp32
+            )
+        captured.timings = timings
+        captured.run = (
+            CompiledGraph(captured.graph_module, self.progress, timings) if self.compile else captured.graph_module
         )
-        captured.run = torch.compile(captured.graph_module, dynamic=False) if self.compile else captured.graph_module
         return captured
 
     def __getattr__(self, name):
@@ -142,6 +161,7 @@ def rewrite(
     compile: bool = False,
     fp32_outputs: bool = True,
     max_captures: int = DEFAULT_MAX_CAPTURES,
+    progress: bool | None = None,
 ) -> AmpModule:
     """Capture `model` with torch.export and return an AmpModule that runs it in mixed precision.
 
@@ -151,6 +171,8 @@ def rewrite(
     level: "O1" — lists decide; "O2" — everything but black ops and normalization parameters runs low.
     compile: hand each rewritten graph to torch.compile (inductor).
     fp32_outputs: cast floating outputs back to float32 (the loss comes back FP32).
+    progress: a line on stderr per phase (capture, cast pass, inductor compiles) — None: phases still running
+    after 2 s; True: every phase; False: none. Each capture's `timings` has the seconds either way.
     """
     if isinstance(model, AmpModule):
         raise ValueError("this model was already rewritten by graphamp; pass the original nn.Module.")
@@ -159,10 +181,10 @@ def rewrite(
     check_level(level)
     amp_lists = amp_lists if amp_lists is not None else AutoMixedPrecisionLists()
     _check_master_weights(model)
-    _check_dtype_runs_on(model, amp_lists.dtype)
+    _check_dtype_runs_on(_device_of(model), amp_lists.dtype, compile)
     if not isinstance(example_args, tuple):
         example_args = (example_args,)
-    amp_model = AmpModule(model, amp_lists, level, compile, fp32_outputs, max_captures)
+    amp_model = AmpModule(model, amp_lists, level, compile, fp32_outputs, max_captures, progress)
     amp_model._captured_for(example_args, dict(example_kwargs or {}))
     return amp_model
 
@@ -194,18 +216,34 @@ def _check_master_weights(model: nn.Module) -> None:
             )
 
 
-def _check_dtype_runs_on(model: nn.Module, dtype: torch.dtype) -> None:
+def _check_dtype_runs_on(device: torch.device | None, dtype: torch.dtype, compile: bool) -> None:
     """A dtype the device cannot run is an error now, not a crash deep inside a kernel."""
-    device = _device_of(model)
     if device is None:
         return
-    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        raise ValueError(
-            f"{torch.cuda.get_device_name(device)} cannot run bfloat16: use AutoMixedPrecisionLists(dtype='float16')."
-        )
+    if device.type == "cuda":
+        name, capability = torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
+        if dtype == torch.float16 and capability < (5, 3):
+            raise ValueError(f"{name} (sm_{capability[0]}{capability[1]}) has no float16 arithmetic: train it in float32.")
+        if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+            raise ValueError(f"{name} cannot run bfloat16: use AutoMixedPrecisionLists(dtype='float16').")
+        if dtype == torch.bfloat16 and compile and capability < (8, 0):
+            raise ValueError(
+                f"{name} (sm_{capability[0]}{capability[1]}) cannot run inductor's bfloat16 kernels, which need sm_80: "
+                f"use AutoMixedPrecisionLists(dtype='float16') or compile=False."
+            )
     if device.type == "cpu" and dtype == torch.float16:
-        warnings.warn(  # Python's default filter shows it once per calling line
+        _warn_float16_on_cpu_once()
+
+
+_warned_float16_on_cpu = False
+
+
+def _warn_float16_on_cpu_once() -> None:
+    global _warned_float16_on_cpu
+    if not _warned_float16_on_cpu:
+        _warned_float16_on_cpu = True
+        warnings.warn(
             "float16 on CPU runs but is about 100x slower than bfloat16 on this kind of CPU: "
             "use AutoMixedPrecisionLists(dtype='bfloat16') for speed.",
-            stacklevel=3,
+            stacklevel=4,
         )

@@ -139,3 +139,49 @@ def test_cuda_parameters_and_gradients_stay_fp32_on_the_gpu(dtype, case):
     for name, parameter in model.named_parameters():
         assert parameter.dtype == torch.float32 and parameter.device.type == DEVICE, name
         assert parameter.grad is not None and parameter.grad.dtype == torch.float32, name
+
+
+COMPILED_PARAMS = [
+    pytest.param(dtype, CASES[name], id=f"{dtype}-{name}") for dtype in DTYPES for name in ("gpt2", "resnet-digits")
+]
+
+
+@pytest.mark.parametrize("dtype, case", COMPILED_PARAMS)
+def test_cuda_compiled_training_loss_decreases_and_tracks_fp32(dtype, case):
+    """compile=True on the GPU: inductor's kernels, float16 through decorate's loss scaling."""
+    model, reference, batches, loss_fn, make_optimizer = built(case)
+    amp_lists = graphamp.AutoMixedPrecisionLists(dtype=dtype)
+    amp = graphamp.rewrite(model, *batches[0][:2], amp_lists=amp_lists, compile=True)
+
+    first, last = train(amp, model.parameters(), batches, loss_fn, make_optimizer, amp_lists)
+    _, expected_last = train(reference, reference.parameters(), batches, loss_fn, make_optimizer)
+
+    assert torch.isfinite(torch.tensor([first, last])).all()
+    assert last < first
+    assert relative_error(last, expected_last) < TRAINING_LOSS_RTOL
+    for parameter in model.parameters():
+        assert parameter.dtype == torch.float32 and parameter.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_compiled_backward_keeps_black_modules_in_fp32(dtype):
+    """pytorch#179804 on the GPU: the head listed in custom_black_modules stays FP32 in inductor's backward."""
+    post_grad_graphs = []
+
+    def record(graph):
+        post_grad_graphs.append(
+            {tuple(n.meta["val"].shape): n.meta["val"].dtype for n in graph.nodes if n.target == torch.ops.aten.mm.default}
+        )
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 48), torch.nn.ReLU(), torch.nn.Linear(48, 24), torch.nn.LogSoftmax(-1)
+    ).to(DEVICE)
+    x = torch.randn(16, 32, device=DEVICE)
+    lists = graphamp.AutoMixedPrecisionLists(dtype=dtype, custom_black_modules=["2"])
+    with torch._inductor.config.patch(post_grad_custom_post_pass=record, fx_graph_cache=False):
+        amp = graphamp.rewrite(model, (x,), amp_lists=lists, compile=True, progress=False)
+        amp(x).sum().backward()
+
+    backward_matmuls = post_grad_graphs[-1]
+    assert backward_matmuls == {(16, 48): torch.float32, (24, 48): torch.float32, (48, 32): DTYPES[dtype]}

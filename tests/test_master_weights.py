@@ -1,6 +1,7 @@
 """Master weights: the rewritten module trains the original model's own FP32 parameters and buffers."""
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -117,6 +118,42 @@ def test_rewriting_a_rewritten_module_is_refused():
         graphamp.rewrite(amp, (torch.randn(2, 4),))
 
 
-def test_float16_on_cpu_warns_and_names_bfloat16():
-    with pytest.warns(UserWarning, match="dtype='bfloat16'"):
-        graphamp.rewrite(nn.Linear(4, 4), (torch.randn(2, 4),), amp_lists=AutoMixedPrecisionLists(dtype="float16"))
+def test_float16_on_cpu_warns_once_and_names_bfloat16(monkeypatch):
+    monkeypatch.setattr(graphamp.module, "_warned_float16_on_cpu", False)
+    fp16 = AutoMixedPrecisionLists(dtype="float16")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            graphamp.rewrite(nn.Linear(4, 4), (torch.randn(2, 4),), amp_lists=fp16)
+    said = [w for w in caught if "float16 on CPU" in str(w.message)]
+    assert len(said) == 1 and "dtype='bfloat16'" in str(said[0].message)
+
+
+@pytest.fixture
+def pretend_gpu(monkeypatch):
+    """Make torch.cuda describe a GPU of the given capability, without one."""
+    def pretend(name, capability, bf16):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: bf16)
+        return torch.device("cuda", 0)
+    return pretend
+
+
+def test_bfloat16_on_a_gpu_without_it_is_a_clear_error(pretend_gpu):
+    gpu = pretend_gpu("Tesla P100", (6, 0), bf16=False)
+    with pytest.raises(ValueError, match=r"Tesla P100 cannot run bfloat16: use .*dtype='float16'"):
+        graphamp.module._check_dtype_runs_on(gpu, torch.bfloat16, compile=False)
+
+
+def test_compiled_bfloat16_before_sm80_is_a_clear_error(pretend_gpu):
+    gpu = pretend_gpu("Tesla V100", (7, 0), bf16=True)  # eager bf16 is emulated there; inductor's is not
+    graphamp.module._check_dtype_runs_on(gpu, torch.bfloat16, compile=False)
+    with pytest.raises(ValueError, match=r"Tesla V100 \(sm_70\) cannot run inductor's bfloat16 kernels"):
+        graphamp.module._check_dtype_runs_on(gpu, torch.bfloat16, compile=True)
+
+
+def test_float16_on_a_gpu_without_half_arithmetic_is_a_clear_error(pretend_gpu):
+    gpu = pretend_gpu("Tesla M40", (5, 2), bf16=False)
+    with pytest.raises(ValueError, match=r"Tesla M40 \(sm_52\) has no float16 arithmetic"):
+        graphamp.module._check_dtype_runs_on(gpu, torch.float16, compile=False)
