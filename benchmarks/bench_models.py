@@ -1,0 +1,141 @@
+"""The benchmark's models and batches: GPT-2-small-, BERT-base- and ResNet-50-shaped, full size on a GPU and
+scaled down on a CPU (same architecture, fewer layers and narrower, so a run takes minutes, not hours).
+
+Weights are random (built from configs); inputs are random tokens and images, a few batches in turn. Speed does
+not depend on the values, but one batch over and over would be memorised within a few steps, and the tiny
+gradients that follow hit float32 denormals, which are slow on a CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# (layers, width, heads, vocabulary, batch, sequence length) for the transformers models.
+TRANSFORMER_SIZES = {
+    "gpu": dict(layers=12, width=768, heads=12, vocab=50257, batch=8, seq=1024),
+    "cpu": dict(layers=4, width=256, heads=4, vocab=8192, batch=8, seq=128),
+}
+# (batch, image side) for the ResNet-50.
+RESNET_SIZES = {"gpu": dict(batch=64, side=224), "cpu": dict(batch=8, side=64)}
+
+
+@dataclass
+class Workload:
+    model: nn.Module
+    batches: list[tuple[dict, torch.Tensor | None]]  # (model(**inputs), class labels or None if it returns .loss)
+    items: int  # tokens or images per step
+    unit: str  # "tokens" or "images"
+
+    def loss(self, output, target) -> torch.Tensor:
+        return output.loss if target is None else F.cross_entropy(output, target)
+
+
+BATCHES = 4
+
+
+def gpt2(size: str) -> Workload:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    s = TRANSFORMER_SIZES[size]
+    config = GPT2Config(
+        n_layer=s["layers"], n_embd=s["width"], n_head=s["heads"], vocab_size=s["vocab"], n_positions=s["seq"],
+        use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa",
+    )
+    batches = []
+    for _ in range(BATCHES):
+        ids = torch.randint(0, s["vocab"], (s["batch"], s["seq"]))
+        batches.append(({"input_ids": ids, "labels": ids}, None))
+    return Workload(GPT2LMHeadModel(config), batches, s["batch"] * s["seq"], "tokens")
+
+
+def bert(size: str) -> Workload:
+    from transformers import BertConfig, BertForMaskedLM
+
+    s = TRANSFORMER_SIZES[size]
+    seq = min(s["seq"], 512)  # BERT-base's position table
+    config = BertConfig(
+        num_hidden_layers=s["layers"], hidden_size=s["width"], num_attention_heads=s["heads"],
+        intermediate_size=4 * s["width"], vocab_size=s["vocab"], max_position_embeddings=seq,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="sdpa",
+    )
+    batch = s["batch"] * s["seq"] // seq  # the same tokens per step as GPT-2
+    batches = []
+    for _ in range(BATCHES):
+        ids = torch.randint(0, s["vocab"], (batch, seq))
+        batches.append(({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}, None))
+    return Workload(BertForMaskedLM(config), batches, batch * seq, "tokens")
+
+
+class Bottleneck(nn.Module):
+    expansion = 4
+
+    def __init__(self, channels_in, width, stride):
+        super().__init__()
+        channels_out = width * self.expansion
+        self.conv1 = nn.Conv2d(channels_in, width, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = nn.Conv2d(width, channels_out, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(channels_out)
+        self.downsample = None
+        if stride != 1 or channels_in != channels_out:
+            self.downsample = nn.Sequential(
+                nn.Conv2d(channels_in, channels_out, 1, stride, bias=False), nn.BatchNorm2d(channels_out)
+            )
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = F.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        return F.relu(out + (x if self.downsample is None else self.downsample(x)))
+
+
+class ResNet50(nn.Module):
+    """torchvision's ResNet-50 layout (3, 4, 6, 3 bottleneck blocks, widths 64 to 512), without torchvision."""
+
+    def __init__(self, num_classes=1000, blocks=(3, 4, 6, 3)):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.maxpool = nn.MaxPool2d(3, 2, 1)
+        layers, channels = [], 64
+        for stage, count in enumerate(blocks):
+            width = 64 * 2**stage
+            for block in range(count):
+                layers.append(Bottleneck(channels, width, 2 if block == 0 and stage > 0 else 1))
+                channels = width * Bottleneck.expansion
+        self.layers = nn.Sequential(*layers)
+        self.fc = nn.Linear(channels, num_classes)
+
+    def forward(self, images):
+        x = self.maxpool(F.relu(self.bn1(self.conv1(images))))
+        x = self.layers(x)
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+def resnet50(size: str) -> Workload:
+    s = RESNET_SIZES[size]
+    batches = [
+        ({"images": torch.randn(s["batch"], 3, s["side"], s["side"])}, torch.randint(0, 1000, (s["batch"],)))
+        for _ in range(BATCHES)
+    ]
+    return Workload(ResNet50(), batches, s["batch"], "images")
+
+
+WORKLOADS = {"gpt2": gpt2, "bert": bert, "resnet50": resnet50}
+
+
+def build(name: str, size: str, device: str) -> Workload:
+    torch.manual_seed(0)
+    workload = WORKLOADS[name](size)
+    workload.model.to(device).train()
+    workload.batches = [
+        ({k: v.to(device) for k, v in inputs.items()}, None if target is None else target.to(device))
+        for inputs, target in workload.batches
+    ]
+    return workload

@@ -1,0 +1,277 @@
+"""Train-step benchmark: FP32, torch.autocast and graphamp, eager and compiled, measured in one run.
+
+    python benchmarks/train_step.py                                  # every model and mode, a table on stdout
+    python benchmarks/train_step.py --results benchmarks/RESULTS.md  # and the table into RESULTS.md
+    python benchmarks/train_step.py --models gpt2 --dtypes bfloat16 --steps 30
+
+On a CPU the models are scaled down and run in bfloat16; on a GPU they are full size and run in float16 (with
+loss scaling: GradScaler for autocast, graphamp.decorate for graphamp) and bfloat16. Each (model, mode, dtype)
+runs in a child process of its own, so that its peak memory and its compile caches are its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+MODES = ["fp32", "autocast", "autocast+compile", "graphamp", "graphamp+compile"]
+MODELS = ["gpt2", "bert", "resnet50"]
+RESULT_PREFIX = "BENCHMARK-RESULT "
+# Dense bf16 tensor-core peaks from the vendors' data sheets, for model-FLOPs utilisation (first match wins).
+BF16_PEAK_FLOPS = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12), ("L4", 121e12)]
+
+
+# ---------------------------------------------------------------- one (model, mode, dtype), in a child process
+
+
+def measure(model_name: str, mode: str, dtype_name: str, device: str, steps: int, warmup: int) -> dict:
+    import transformers  # noqa: F401  (imported before the memory baseline, as in every mode)
+
+    import graphamp
+    from bench_models import build
+    from graphamp.recording import DtypeRecorder
+
+    baseline_mib = 0.0 if device == "cuda" else _resident_mib("VmRSS")  # torch's own libraries, on a CPU
+    workload = build(model_name, "gpu" if device == "cuda" else "cpu", device)
+    model, batches = workload.model, workload.batches
+    low = getattr(torch, dtype_name)
+    compiled = mode.endswith("+compile")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    scaler = None
+    result = {"model": model_name, "mode": mode, "dtype": dtype_name, "items": workload.items, "unit": workload.unit}
+
+    if mode.startswith("graphamp"):
+        lists = graphamp.AutoMixedPrecisionLists(dtype=dtype_name)
+        started = time.perf_counter()
+        net = graphamp.rewrite(model, example_kwargs=batches[0][0], amp_lists=lists, compile=compiled)
+        result["rewrite_s"] = time.perf_counter() - started
+        if low == torch.float16:
+            optimizer = graphamp.decorate(optimizer, lists)
+        autocast = _no_autocast
+    else:
+        net = torch.compile(model) if compiled else model
+        if mode.startswith("autocast") and low == torch.float16:
+            scaler = torch.amp.GradScaler(device)
+        autocast = (lambda: torch.autocast(device, low)) if mode.startswith("autocast") else _no_autocast
+
+    next_batch = itertools.cycle(batches).__next__
+
+    def forward_backward():
+        inputs, target = next_batch()
+        with autocast():
+            loss = workload.loss(net(**inputs), target)
+        if isinstance(optimizer, graphamp.optimizer.OptimizerWithMixedPrecision):
+            optimizer.backward(loss)
+        else:
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+        return loss
+
+    def step():
+        forward_backward()
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    result["first_step_s"] = _timed(step, device)
+    for _ in range(warmup - 1):
+        step()
+    _reset_peak_memory(device)
+    times = [_timed(step, device) for _ in range(steps)]
+    result["peak_mib"] = _peak_memory_mib(device) - baseline_mib
+    result["step_s"] = statistics.median(times)
+    result["compile_s"] = result["first_step_s"] - result["step_s"] if compiled else None
+
+    if not compiled:  # inductor fuses casts into its kernels: no cast runs as a kernel of its own there
+        with DtypeRecorder() as recorder:
+            forward_backward()
+        optimizer.zero_grad(set_to_none=True)
+        result["casts"] = recorder.casts
+    if mode == "fp32":
+        result["flops"] = _flops_of(forward_backward)
+        optimizer.zero_grad(set_to_none=True)
+    return result
+
+
+class _no_autocast:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _timed(step, device: str) -> float:
+    if device == "cuda":
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    step()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - started
+
+
+def _reset_peak_memory(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        Path("/proc/self/clear_refs").write_text("5")  # Linux: the peak RSS (VmHWM) starts again from now
+
+
+def _peak_memory_mib(device: str) -> float:
+    return torch.cuda.max_memory_allocated() / 2**20 if device == "cuda" else _resident_mib("VmHWM")
+
+
+def _resident_mib(field: str) -> float:
+    """VmRSS (now) or VmHWM (peak since the last reset) of this process, from Linux's /proc."""
+    status = Path("/proc/self/status").read_text()
+    return int(re.search(rf"{field}:\s+(\d+) kB", status).group(1)) / 1024
+
+
+def _flops_of(forward_backward) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        forward_backward()
+    return counter.get_total_flops()
+
+
+# ---------------------------------------------------------------- the parent: run every child, make the table
+
+
+def run_child(args, model_name: str, mode: str, dtype_name: str) -> dict:
+    command = [
+        sys.executable, __file__, "--child", model_name, mode, dtype_name,
+        "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
+    ]
+    print(f"  {model_name:9s} {mode:17s} {dtype_name} ...", file=sys.stderr, flush=True)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    for line in done.stdout.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            return json.loads(line.removeprefix(RESULT_PREFIX))
+    sys.stderr.write(done.stderr[-4000:])
+    return {"model": model_name, "mode": mode, "dtype": dtype_name, "error": done.stderr.strip().splitlines()[-1:]}
+
+
+def device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    cpu_info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    match = re.search(r"model name\s*:\s*(.+)", cpu_info)
+    cores = len(__import__("os").sched_getaffinity(0))
+    return f"{match.group(1).strip() if match else platform.processor()}, {cores} cores"
+
+
+def bf16_peak(name: str) -> float | None:
+    return next((flops for key, flops in BF16_PEAK_FLOPS if key in name), None)
+
+
+def table(results: list[dict], device: str, name: str) -> str:
+    """One markdown table: each mode against FP32 and graphamp against autocast in the same mode."""
+    peak = bf16_peak(name) if device == "cuda" else None
+    by_key = {(r["model"], r["mode"]): r for r in results}
+    unit = {r["model"]: r.get("unit", "items") for r in results}
+    rows = [
+        "| model | mode | step ms | × FP32 speed | × autocast speed | items/s | peak MiB | memory / autocast "
+        "| casts / step | rewrite s | compile s |" + (" MFU |" if peak else ""),
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if peak else ""),
+    ]
+    for r in results:
+        if "error" in r:
+            rows.append(f"| {r['model']} | {r['mode']} | failed: {' '.join(r['error'])} |")
+            continue
+        fp32 = by_key.get((r["model"], "fp32"), {})
+        autocast = by_key.get((r["model"], r["mode"].replace("graphamp", "autocast")), {})
+        is_graphamp = r["mode"].startswith("graphamp")
+        cells = [
+            r["model"], r["mode"], f"{1e3 * r['step_s']:.1f}",
+            _ratio(fp32.get("step_s"), r["step_s"]),
+            _ratio(autocast.get("step_s"), r["step_s"]) if is_graphamp else "",
+            f"{r['items'] / r['step_s']:,.0f} {unit[r['model']]}",
+            f"{r['peak_mib']:,.0f}",
+            _ratio(r["peak_mib"], autocast.get("peak_mib")) if is_graphamp else "",
+            str(r["casts"]) if r.get("casts") is not None else "fused",
+            f"{r['rewrite_s']:.1f}" if r.get("rewrite_s") is not None else "",
+            f"{r['compile_s']:.1f}" if r.get("compile_s") is not None else "",
+        ]
+        if peak:
+            flops = fp32.get("flops")
+            cells.append(f"{100 * flops / r['step_s'] / peak:.1f}%" if flops else "")
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def _ratio(numerator, denominator) -> str:
+    return f"{numerator / denominator:.2f}×" if numerator and denominator else ""
+
+
+def write_results(path: Path, key: str, block: str) -> None:
+    """Replace this device and dtype's block in RESULTS.md (or add it); the prose around the blocks stays."""
+    start, end = f"<!-- benchmark: {key} -->", f"<!-- end benchmark: {key} -->"
+    text = path.read_text() if path.exists() else "# Benchmark results\n"
+    new = f"{start}\n{block}\n{end}"
+    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
+    text = pattern.sub(lambda _: new, text) if pattern.search(text) else text.rstrip("\n") + f"\n\n{new}\n"
+    path.write_text(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {MODELS}")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {MODES}")
+    parser.add_argument("--dtypes", default=None, help="default: bfloat16 on CPU; float16,bfloat16 on CUDA")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps after warm-up (the median is reported)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first; the first one compiles")
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds per (model, mode, dtype)")
+    parser.add_argument("--results", type=Path, help="write the tables into this markdown file")
+    parser.add_argument("--child", nargs=3, metavar=("MODEL", "MODE", "DTYPE"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.child:
+        print(RESULT_PREFIX + json.dumps(measure(*args.child, args.device, args.steps, args.warmup)), flush=True)
+        return
+
+    dtypes = (args.dtypes or ("float16,bfloat16" if args.device == "cuda" else "bfloat16")).split(",")
+    name = device_name(args.device)
+    import transformers
+
+    for dtype_name in dtypes:
+        results = [
+            run_child(args, model_name, mode, dtype_name)
+            for model_name in args.models.split(",")
+            for mode in args.modes.split(",")
+        ]
+        heading = (
+            f"### {name}: {dtype_name}\n\ntorch {torch.__version__}, transformers {transformers.__version__}, "
+            f"{datetime.date.today().isoformat()}; median of {args.steps} train steps (forward, backward, AdamW) "
+            f"after {args.warmup} warm-up steps. Peak memory: "
+            + ("`torch.cuda.max_memory_allocated`." if args.device == "cuda" else
+               "the process's peak resident memory during the timed steps, less its resident memory before the "
+               "model was built (torch's libraries).")
+            + "\n"
+        )
+        block = heading + "\n" + table(results, args.device, name)
+        print("\n" + block + "\n")
+        if args.results:
+            write_results(args.results, f"{args.device} {dtype_name}", block + "\n\n<details><summary>raw</summary>\n\n"
+                          + "```json\n" + json.dumps(results, indent=1) + "\n```\n</details>")
+
+
+if __name__ == "__main__":
+    here = Path(__file__).resolve().parent
+    sys.path[:0] = [str(here), str(here.parent)]  # bench_models beside this file; this checkout's graphamp
+    main()
