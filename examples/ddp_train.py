@@ -84,7 +84,8 @@ def save_checkpoint(directory: Path, step: int, model, optimizer, device) -> Non
 
 
 def load_checkpoint(path: Path, model, optimizer, device) -> int:
-    checkpoint = torch.load(path, map_location=device, weights_only=False)
+    # On the CPU: RNG states must stay CPU tensors; the optimizer moves its state to the parameters' device itself.
+    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     if len(checkpoint["rng_states"]) != dist.get_world_size():
         raise SystemExit(
             f"{path} was written by {len(checkpoint['rng_states'])} processes: resume with as many "
