@@ -40,7 +40,10 @@ def parse_args():
     parser.add_argument("--checkpoint-dir", type=Path, help="write DIR/step-N.pt there")
     parser.add_argument("--checkpoint-every", type=int, help="steps between checkpoints (default: only at the end)")
     parser.add_argument("--resume", type=Path, help="a checkpoint written by this script")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.checkpoint_every and not args.checkpoint_dir:
+        parser.error("--checkpoint-every needs --checkpoint-dir DIR to write to")
+    return args
 
 
 def start_process_group() -> torch.device:
