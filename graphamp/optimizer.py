@@ -22,6 +22,7 @@ def decorate(
     decr_ratio: float = 0.5,
     use_dynamic_loss_scaling: bool | None = None,
     max_loss_scaling: float | None = None,
+    process_group: torch.distributed.ProcessGroup | None = None,
 ) -> OptimizerWithMixedPrecision | list[OptimizerWithMixedPrecision]:
     """Wrap ``optimizer`` in an :class:`OptimizerWithMixedPrecision` that scales the loss (defaults: paddle.amp's).
 
@@ -30,6 +31,11 @@ def decorate(
     float32's range. ``use_dynamic_loss_scaling=False`` keeps the scale fixed at ``init_loss_scaling``. Either
     way inf/NaN steps are still skipped.
     ``max_loss_scaling`` caps the growth of the scale (insightface's MaxClipGradScaler).
+
+    Distributed: every rank must skip or step together and hold the same scale. ``found_inf`` is all-reduced (MAX)
+    over ``process_group`` at each ``unscale_()``/``step()``, one 4-byte collective per wrapper per iteration on the
+    gradients' device; None means the default group once torch.distributed is initialised with more than one rank.
+    So every rank must step each decorated optimizer equally often, as DDP already asks of ``backward()``.
 
     Sharing: pass a list of optimizers to get a list of wrappers that share one :class:`LossScaler`. Each wrapper
     unscales, checks and steps (or skips) its own parameters; the scale is updated once per iteration, by the step()
@@ -65,6 +71,7 @@ def decorate(
             dtype == torch.float16 if use_dynamic_loss_scaling is None else use_dynamic_loss_scaling
         ),
         max_loss_scaling=max_loss_scaling,
+        process_group=process_group,
     )
     wrappers = [OptimizerWithMixedPrecision(opt, loss_scaler) for opt in optimizers]
     if not isinstance(optimizer, (list, tuple)):

@@ -10,6 +10,11 @@ The rule is Paddle's ``update_loss_scaling``:
 
 Like ``torch.amp.GradScaler`` the state lives on the gradients' device, the inf/NaN check and unscale are torch's fused
 AMP kernels, and nothing here reads a value back to the host except the getters that say they do.
+
+Under torch.distributed every rank must take the same decision, or parameters and scales drift apart: ``found_inf`` is
+all-reduced (MAX) over the process group right after the check (FSDP's ShardedGradScaler does the same). DDP's averaged
+gradients already agree; those of a step taken inside ``no_sync()``, of parameters outside DDP and FSDP's shards do
+not.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import math
 from typing import Any, Sequence
 
 import torch
+import torch.distributed as dist
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from graphamp.errors import LossScalingError
@@ -52,6 +58,10 @@ class LossScaler:
     0, but gradients are still unscaled and still checked, so a step with inf/NaN gradients is still skipped (as
     Paddle's GradScaler does with static scaling).
 
+    ``process_group``: the ranks that must agree on ``found_inf``. None means torch.distributed's default group
+    when it is initialised with more than one rank (looked up at each check, so the scaler may be built before
+    ``init_process_group``), else no reduction. A group of one rank reduces nothing.
+
     ``state_dict()`` holds Python numbers only; ``load_state_dict()`` writes them into the existing device tensors,
     or keeps them until the first ``scale()`` creates the tensors on the loss's device.
     """
@@ -65,6 +75,7 @@ class LossScaler:
         decr_ratio: float = 0.5,
         use_dynamic_loss_scaling: bool = True,
         max_loss_scaling: float | None = None,
+        process_group: dist.ProcessGroup | None = None,
     ) -> None:
         self._configure(
             init_loss_scaling,
@@ -82,6 +93,7 @@ class LossScaler:
         self._found_inf: torch.Tensor | None = None
         self._initial = (_as_float32(init_loss_scaling), 0, 0)
         self._choose_update(self._initial[0], 0)
+        self.process_group = process_group
 
     def _configure(
         self,
@@ -206,7 +218,17 @@ class LossScaler:
                 )
             for device_found_inf, _ in list(per_device.values())[1:]:
                 found_inf.add_(device_found_inf.to(found_inf.device, non_blocking=True))
+        group = self._group_that_must_agree()
+        if group is not None:
+            # 4 bytes on the device, before anyone reads found_inf: no host sync of its own.
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
         return found_inf
+
+    def _group_that_must_agree(self) -> dist.ProcessGroup | None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        group = self.process_group if self.process_group is not None else dist.group.WORLD
+        return group if dist.get_world_size(group) > 1 else None
 
     # -- update ---------------------------------------------------------------------------------------------------
 

@@ -72,6 +72,7 @@ def test_defaults_are_paddle_amp_defaults():
         "decr_ratio": 0.5,
         "use_dynamic_loss_scaling": None,
         "max_loss_scaling": None,
+        "process_group": None,  # the default group once torch.distributed runs more than one rank
     }
 
 

@@ -1,0 +1,329 @@
+"""graphamp under torch.distributed: DDP around a rewritten model, decorated optimizers, 2 gloo processes on CPU.
+
+The 2-process job runs once for the module (each start costs seconds of imports and a capture per rank); every
+scenario is a function run on both ranks, and each test reads the results of one. The example runs under torchrun
+on CPU. A hung rank cannot hang CI: jobs are killed after JOB_TIMEOUT_S, collectives time out after
+COLLECTIVE_TIMEOUT_S.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import graphamp
+from models import digits
+
+WORLD_SIZE = 2
+JOB_TIMEOUT_S = 90
+COLLECTIVE_TIMEOUT_S = 30
+STEPS = 4
+BATCH = 16
+INF = float("inf")
+FP16 = graphamp.AutoMixedPrecisionLists(dtype="float16")
+BF16 = graphamp.AutoMixedPrecisionLists(dtype="bfloat16")
+REPOSITORY = Path(__file__).resolve().parent.parent
+
+
+class DigitsMLP(nn.Module):
+    """A digits classifier with BatchNorm (buffers DDP broadcasts) and a head forward() never uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(64, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 10))
+        self.unused_head = nn.Linear(32, 10)  # DDP must be told (find_unused_parameters) or it waits for its grads
+
+    def forward(self, images, labels):
+        return F.cross_entropy(self.body(images), labels)
+
+
+def flat(tensors) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).float() for t in tensors])
+
+
+def rank_batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's share of the digits, as DistributedSampler deals it out: different batches on each rank."""
+    sampler = DistributedSampler(TensorDataset(*digits(256)), WORLD_SIZE, rank, shuffle=True, seed=0)
+    return list(DataLoader(TensorDataset(*digits(256)), batch_size=BATCH, sampler=sampler))
+
+
+def rewritten(seed: int, lists: graphamp.AutoMixedPrecisionLists) -> graphamp.module.AmpModule:
+    torch.manual_seed(seed)
+    return graphamp.rewrite(DigitsMLP(), digits(BATCH), amp_lists=lists, compile=False)
+
+
+def ddp(amp_model, comm_hook=None) -> DistributedDataParallel:
+    model = DistributedDataParallel(amp_model, find_unused_parameters=True, gradient_as_bucket_view=True)
+    if comm_hook is not None:
+        model.register_comm_hook(None, comm_hook)
+    return model
+
+
+def full(parameters) -> torch.Tensor:
+    """The parameters as one flat tensor; FSDP2's shards are gathered first."""
+    return flat(p.full_tensor() if isinstance(p, DTensor) else p for p in parameters)
+
+
+def train(model, optimizer, batches) -> list[float]:
+    losses = []
+    for images, labels in batches:
+        loss = model(images, labels)
+        optimizer.zero_grad()
+        optimizer.minimize(loss)
+        losses.append(loss.item())
+    return losses
+
+
+def train_on_digits(rank, model):
+    """fp16 with dynamic loss scaling; the last batch has another size, so graphamp captures inside the wrapper."""
+    optimizer = graphamp.decorate(torch.optim.AdamW(model.parameters(), lr=1e-2), FP16, incr_every_n_steps=2)
+    start = full(model.parameters())
+    buffers_seen_by_forward = []
+    amp_model = model.module if isinstance(model, DistributedDataParallel) else model
+    amp_model.register_forward_pre_hook(lambda module, args: buffers_seen_by_forward.append(flat(module.buffers())))
+    batches = rank_batches(rank)[:STEPS]
+    images, labels = batches[-1]
+    batches[-1] = (images[: BATCH // 2], labels[: BATCH // 2])
+    losses = train(model, optimizer, batches)
+    return {
+        "start": start,
+        "parameters": full(model.parameters()),
+        "buffers_seen_by_forward": torch.stack(buffers_seen_by_forward),
+        "losses": losses,
+        "loss_scaling": optimizer.get_loss_scaling(),
+        "captures": len(amp_model.captures),
+    }
+
+
+# -- scenarios: run on every rank, return what the tests compare ------------------------------------------------------
+
+
+def scenario_ddp_training(rank):
+    return train_on_digits(rank, ddp(rewritten(seed=rank, lists=FP16)))  # DDP broadcasts rank 0's weights
+
+
+def scenario_fsdp2_training(rank):
+    """FSDP2 sharding the rewritten model as a whole (one group; per-layer groups cannot work, see the README)."""
+    return train_on_digits(rank, fully_shard(rewritten(seed=0, lists=FP16)))  # FSDP2 broadcasts nothing
+
+
+def step_with_inf_on_rank_1(rank, optimizer, loss, parameter):
+    """Backward ``loss``, put an inf into ``parameter``'s gradient on rank 1 only, then step."""
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    before = flat(parameters)
+    optimizer.backward(loss)
+    if rank == 1:
+        parameter.grad.view(-1)[0] = INF
+    optimizer.step()
+    return {
+        "moved": not torch.equal(before, flat(parameters)),
+        "skipped_steps": optimizer.skipped_steps,
+        "loss_scaling": optimizer.get_loss_scaling(),
+    }
+
+
+def inf_outside_ddp(rank, process_group=None):
+    """A rank-local parameter next to the DDP model: DDP never all-reduces its gradient."""
+    model = ddp(rewritten(seed=rank, lists=FP16))
+    temperature = nn.Parameter(torch.ones(()))
+    optimizer = graphamp.decorate(
+        torch.optim.SGD([*model.parameters(), temperature], lr=0.1), FP16, init_loss_scaling=1024.0,
+        process_group=process_group,
+    )
+    images, labels = rank_batches(rank)[0]
+    return step_with_inf_on_rank_1(rank, optimizer, model(images, labels) * temperature, temperature)
+
+
+def scenario_inf_outside_ddp(rank):
+    return inf_outside_ddp(rank)
+
+
+def scenario_inf_outside_ddp_with_one_rank_groups(rank):
+    """Each rank alone in its group: the documented way to let ranks decide independently."""
+    own_group, _ = dist.new_subgroups(group_size=1)
+    return inf_outside_ddp(rank, process_group=own_group)
+
+
+def scenario_inf_under_no_sync(rank):
+    """A step taken inside no_sync() (local SGD's habit): the gradients were never all-reduced."""
+    model = ddp(rewritten(seed=rank, lists=FP16))
+    optimizer = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), FP16, init_loss_scaling=1024.0)
+    images, labels = rank_batches(rank)[0]
+    with model.no_sync():
+        return step_with_inf_on_rank_1(rank, optimizer, model(images, labels), model.module.body[1].weight)
+
+
+def scenario_fp16_compress_hook(rank):
+    """bfloat16 compute, float16 on the wire."""
+    model = ddp(rewritten(seed=rank, lists=BF16), comm_hook=default_hooks.fp16_compress_hook)
+    optimizer = graphamp.decorate(torch.optim.AdamW(model.parameters(), lr=1e-2), BF16)
+    losses = train(model, optimizer, rank_batches(rank)[:STEPS])
+    return {"parameters": flat(model.parameters()), "losses": losses}
+
+
+SCENARIOS = [
+    scenario_ddp_training,
+    scenario_fsdp2_training,
+    scenario_inf_outside_ddp,
+    scenario_inf_outside_ddp_with_one_rank_groups,
+    scenario_inf_under_no_sync,
+    scenario_fp16_compress_hook,
+]
+
+
+def _run_scenarios(rank: int, store: str, out: str) -> None:
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD_SIZE,
+        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+    results = {}
+    for scenario in SCENARIOS:
+        try:
+            results[scenario.__name__] = scenario(rank)
+        except Exception:  # reported by the test that reads this scenario
+            results[scenario.__name__] = traceback.format_exc()
+        dist.barrier()
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """Each rank's results, by scenario name."""
+    out = tmp_path_factory.mktemp("ranks")
+    job = mp.spawn(_run_scenarios, args=(str(out / "store"), str(out)), nprocs=WORLD_SIZE, join=False)
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    try:
+        while not job.join(timeout=max(deadline - time.monotonic(), 0.1)):
+            if time.monotonic() > deadline:
+                pytest.fail(f"the {WORLD_SIZE}-process job did not finish within {JOB_TIMEOUT_S} s")
+    finally:
+        for process in job.processes:
+            if process.is_alive():
+                process.kill()
+    return [torch.load(out / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
+
+
+def results_of(ranks, scenario):
+    found = [results[scenario.__name__] for results in ranks]
+    for rank, result in enumerate(found):
+        if isinstance(result, str):
+            pytest.fail(f"{scenario.__name__} failed on rank {rank}:\n{result}")
+    return found
+
+
+# -- the specification ----------------------------------------------------------------------------------------------
+
+
+def test_ranks_start_from_rank_0_weights_and_end_with_identical_parameters(ranks):
+    rank_0, rank_1 = results_of(ranks, scenario_ddp_training)
+    assert torch.equal(rank_0["start"], rank_1["start"])  # each rank initialised its own; DDP broadcast rank 0's
+    assert not torch.equal(rank_0["start"], rank_0["parameters"])
+    assert torch.equal(rank_0["parameters"], rank_1["parameters"])
+
+
+def test_ranks_train_on_different_batches(ranks):
+    rank_0, rank_1 = results_of(ranks, scenario_ddp_training)
+    assert rank_0["losses"] != rank_1["losses"]
+
+
+def test_every_forward_sees_rank_0s_batch_norm_statistics(ranks):
+    rank_0, rank_1 = results_of(ranks, scenario_ddp_training)
+    first, last = rank_0["buffers_seen_by_forward"][[0, -1]]
+    assert not torch.equal(first, last)  # the statistics did change between steps
+    assert torch.equal(rank_0["buffers_seen_by_forward"], rank_1["buffers_seen_by_forward"])
+
+
+def test_ranks_hold_the_same_grown_loss_scaling(ranks):
+    rank_0, rank_1 = results_of(ranks, scenario_ddp_training)
+    assert rank_0["loss_scaling"] == rank_1["loss_scaling"] > 2.0**16  # incr_every_n_steps=2 over 4 steps
+
+
+def test_a_new_batch_size_is_captured_inside_ddp_forward(ranks):
+    assert [result["captures"] for result in results_of(ranks, scenario_ddp_training)] == [2, 2]
+
+
+@pytest.mark.parametrize(
+    "scenario", [scenario_inf_outside_ddp, scenario_inf_under_no_sync], ids=["outside_ddp", "under_no_sync"]
+)
+def test_inf_on_one_rank_makes_every_rank_skip_and_back_off(ranks, scenario):
+    for result in results_of(ranks, scenario):
+        assert result == {"moved": False, "skipped_steps": 1, "loss_scaling": 512.0}
+
+
+def test_a_process_group_of_one_rank_lets_each_rank_decide_alone(ranks):
+    rank_0, rank_1 = results_of(ranks, scenario_inf_outside_ddp_with_one_rank_groups)
+    assert rank_0 == {"moved": True, "skipped_steps": 0, "loss_scaling": 1024.0}
+    assert rank_1 == {"moved": False, "skipped_steps": 1, "loss_scaling": 512.0}
+
+
+def test_fp16_compress_hook_keeps_ranks_identical(ranks):
+    rank_0, rank_1 = results_of(ranks, scenario_fp16_compress_hook)
+    assert rank_0["losses"] != rank_1["losses"]
+    assert torch.equal(rank_0["parameters"], rank_1["parameters"])
+
+
+def test_fsdp2_around_the_rewritten_model_trains_as_ddp_does(ranks):
+    ddp_ranks, fsdp_ranks = results_of(ranks, scenario_ddp_training), results_of(ranks, scenario_fsdp2_training)
+    for ddp_result, fsdp_result in zip(ddp_ranks, fsdp_ranks):
+        assert fsdp_result["losses"] == pytest.approx(ddp_result["losses"], rel=1e-6)
+        torch.testing.assert_close(fsdp_result["parameters"], ddp_result["parameters"])
+        assert fsdp_result["loss_scaling"] == ddp_result["loss_scaling"]
+        assert fsdp_result["captures"] == 2
+
+
+def torchrun_example(*args: str) -> list[str]:
+    """Rank 0's log of examples/ddp_train.py on 2 CPU processes; the launcher and its workers die on timeout."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD_SIZE}",
+        str(REPOSITORY / "examples" / "ddp_train.py"), *args,
+    ]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPOSITORY), os.environ.get("PYTHONPATH", "")])}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # gloo on CPU, also on a GPU machine
+    launcher = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+    )
+    try:
+        output, _ = launcher.communicate(timeout=JOB_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        output, _ = launcher.communicate()
+        pytest.fail(f"torchrun did not finish within {JOB_TIMEOUT_S} s:\n{output}")
+    assert launcher.returncode == 0, output
+    return [line for line in output.splitlines() if line.startswith("step ")]
+
+
+def test_a_run_resumed_from_a_checkpoint_continues_the_same_trajectory(tmp_path):
+    # float16 with a loss scale that grows every 2 steps, so the scaling state matters across the checkpoint.
+    run = ["--dtype", "float16", "--width", "8", "--steps", "8", "--log-every", "1", "--incr-every-n-steps", "2"]
+    straight = torchrun_example(*run, "--checkpoint-dir", str(tmp_path / "a"), "--checkpoint-every", "4")
+    resumed = torchrun_example(*run, "--checkpoint-dir", str(tmp_path / "b"), "--resume", str(tmp_path / "a/step-4.pt"))
+
+    assert len(straight) == 8
+    assert resumed == straight[4:]  # loss (6 decimals), loss scale and skips, step by step
+    assert len({line.split("loss scale")[1] for line in resumed}) > 1
+    # Bitwise: same kernels on one thread per rank, and gloo's sum of two gradients does not depend on the order.
+    a, b = (torch.load(tmp_path / run_dir / "step-8.pt", weights_only=False) for run_dir in ("a", "b"))
+    assert a["model"].keys() == b["model"].keys()
+    assert all(torch.equal(a["model"][key], b["model"][key]) for key in a["model"])
+    assert a["optimizer"]["loss_scaler"] == b["optimizer"]["loss_scaler"]
+    for state_a, state_b in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):
+        assert all(torch.equal(state_a[key], state_b[key]) for key in state_a)
