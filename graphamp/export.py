@@ -85,7 +85,8 @@ def node_records(graph_module: GraphModule, path: tuple = ()) -> list[dict]:
     records = []
     for node in graph_module.graph.nodes:
         mark = node.meta.get("graphamp")
-        if mark is None:
+        # torch.export shares one meta dict between a no_grad region's last op and the getitem reading it out.
+        if mark is None or not isinstance(node.target, (OpOverload, HigherOrderOperator)):
             continue
         outputs = [t for t in pytree.tree_leaves(node.meta.get("val")) if isinstance(t, torch.Tensor)]
         records.append({

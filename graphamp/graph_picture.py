@@ -47,9 +47,16 @@ def dot_source(graphs, records, lifted, parameter_names, title) -> str:
     root_path, root = graphs[0]
     collapsed = collapsed_blocks([r for r in records if "." not in r["name"]])
     picture = _Picture(by_name, collapsed, parameter_names)
-    picture.add_graph(root, "", skip=set(lifted))
+    picture.add_graph(root, "", skip=set(lifted))  # parameters and buffers: their casts name them
+    body_of = {  # sub-graph path -> the higher-order op it is a body of ('cond')
+        path + (node.target,): user.target.__name__
+        for path, graph_module in graphs
+        for node in graph_module.graph.find_nodes(op="get_attr")
+        for user in node.users
+    }
     for path, body in graphs[1:]:
-        picture.add_graph(body, "".join(f"{p}." for p in path), cluster=f"sub-graph {'/'.join(path)}")
+        cluster = f"{'/'.join(path)}: body of {body_of.get(path, 'a higher-order op')}"
+        picture.add_graph(body, "".join(f"{p}." for p in path), cluster=cluster)
     return picture.source(title)
 
 
@@ -111,7 +118,7 @@ class _Picture:
             record = self.records.get(prefix + node.name)
             if record is not None:
                 ids[node] = self._add_op(node, record, cluster)
-            elif node.op == "placeholder" and node not in skip:
+            elif node.op == "placeholder" and node.users and node not in skip and node.name not in self.parameter_names:
                 ids[node] = prefix + node.name
                 self.clusters[cluster or ""].append(_node(ids[node], node.name, shape="ellipse", fill="white"))
             elif node.op == "output":

@@ -195,6 +195,7 @@ def test_sub_graph_nodes_are_named_after_their_body(tmp_path):
     assert {n["name"] for n in inserted_casts(summary) if n["name"].startswith("true_graph_0.")} <= svg_titles(
         out / "graph.svg"
     )
+    assert "cluster_true_graph_0: body of cond" in svg_titles(out / "graph.svg")
     assert "class true_graph_0(torch.nn.Module):" in (out / "graph.py").read_text()
     assert "not measured: cond cannot run under torch.autocast" in (out / "report.html").read_text()
 
