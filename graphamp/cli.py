@@ -16,7 +16,7 @@ from pathlib import Path
 
 from torch import nn
 
-from graphamp.errors import GraphampError
+from graphamp.errors import GraphampError, ListFileError
 from graphamp.export import export
 from graphamp.lists import COLORS, AutoMixedPrecisionLists
 from graphamp.module import rewrite
@@ -111,9 +111,9 @@ def _check_file_names(folder: Path) -> None:
         if name not in LIST_FILES:
             close = difflib.get_close_matches(name.lower(), LIST_FILES, n=1, cutoff=0.6)
             if close:
-                raise GraphampError(f"{folder / name}: graphamp does not read this file; did you mean {close[0]}?")
+                raise ListFileError(f"{folder / name}: graphamp does not read this file; did you mean {close[0]}?")
     if not set(present) & set(LIST_FILES):
-        raise GraphampError(
+        raise ListFileError(
             f"{folder}: holds none of {', '.join(LIST_FILES)}; a lists folder replaces the shipped lists, "
             f"so it would leave every op unlisted. Copy graphamp's lists/ folder and edit it."
         )
@@ -134,7 +134,9 @@ def _add_export(subcommands) -> None:
     command.add_argument("--out", metavar="DIR", required=True, help="the folder to write (created if missing)")
     command.add_argument("--lists", metavar="DIR", help="a lists folder replacing the shipped lists/")
     command.add_argument("--dtype", choices=DTYPES, default="float16", help="the low-precision dtype (default float16)")
-    command.add_argument("--level", choices=("O1", "O2"), default="O1", help="O1: lists decide (default); O2: all but black ops run low")
+    command.add_argument(
+        "--level", choices=("O1", "O2"), default="O1", help="O1: lists decide (default); O2: all but black ops run low"
+    )
     command.set_defaults(run=_export)
 
 
@@ -144,7 +146,10 @@ def _export(args, parser) -> int:
         parser.error(f"MODULE:FACTORY expected, got {args.factory!r} (for example my_models:tiny_gpt2)")
     model, example_args, example_kwargs = _call_factory(module_name, factory_name)
     lists = AutoMixedPrecisionLists(dtype=args.dtype, lists_dir=args.lists)
-    amp_model = rewrite(model, example_args, example_kwargs, amp_lists=lists, level=args.level)
+    try:
+        amp_model = rewrite(model, example_args, example_kwargs, amp_lists=lists, level=args.level)
+    except (TypeError, ValueError) as error:  # rewrite's own checks (FP16 parameters, ...) say the fix already
+        raise GraphampError(f"{args.factory}: {error}") from error
     out = export(amp_model, args.out)
     print(amp_model.report)
     print(f"wrote {out}/: graph.py graph.json graph.svg report.html diff.txt")
@@ -153,13 +158,16 @@ def _export(args, parser) -> int:
 
 def _call_factory(module_name: str, factory_name: str):
     spec = f"{module_name}:{factory_name}"
-    sys.path.insert(0, os.getcwd())  # `graphamp export my_models:f` finds my_models.py here, as `python -m` would
+    here = os.getcwd()
+    sys.path.insert(0, here)  # `graphamp export my_models:f` finds my_models.py here, as `python -m` would
     try:
         module = importlib.import_module(module_name)
     except ImportError as error:
-        raise GraphampError(f"{spec}: cannot import {module_name!r} ({error}); run from the folder that holds it.") from error
+        raise GraphampError(
+            f"{spec}: cannot import {module_name!r} ({error}); run from the folder that holds it."
+        ) from error
     finally:
-        sys.path.remove(os.getcwd())
+        sys.path.remove(here)
     factory = getattr(module, factory_name, None)
     if factory is None:
         functions = [name for name, value in vars(module).items() if callable(value) and not name.startswith("_")]
@@ -167,10 +175,15 @@ def _call_factory(module_name: str, factory_name: str):
         hint = f"; did you mean {close[0]!r}?" if close else "."
         raise GraphampError(f"{spec}: {module_name} has no {factory_name!r}{hint}")
     if not callable(factory):
-        raise GraphampError(f"{spec}: {module_name}.{factory_name} is of type {type(factory).__name__}; FACTORY must be a function.")
+        raise GraphampError(
+            f"{spec}: {module_name}.{factory_name} is of type {type(factory).__name__}; FACTORY must be a function."
+        )
     result = factory()
     if not (isinstance(result, tuple) and len(result) in (2, 3) and isinstance(result[0], nn.Module)):
-        got = f"a tuple of {len(result)}" if isinstance(result, tuple) else f"a {type(result).__name__}"
+        if isinstance(result, tuple):
+            got = f"({', '.join(type(item).__name__ for item in result)})"
+        else:
+            got = f"a {type(result).__name__}"
         raise GraphampError(
             f"{spec} returned {got}; it must return (model, example_args) or (model, example_args, example_kwargs)."
         )

@@ -38,7 +38,9 @@ def export(amp_model: AmpModule, out_dir) -> Path:
     Returns the folder.
     """
     if not isinstance(amp_model, AmpModule):
-        raise TypeError(f"export() takes the AmpModule that graphamp.rewrite() returns, got {type(amp_model).__name__}.")
+        raise TypeError(
+            f"export() takes the AmpModule that graphamp.rewrite() returns, got {type(amp_model).__name__}."
+        )
     captured = next(c for c in amp_model.captures if c.graph_module is amp_model.graph_module)
     graphs = sub_graphs(captured.graph_module)
     records = [record for path, graph_module in graphs for record in node_records(graph_module, path)]

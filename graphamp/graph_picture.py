@@ -24,7 +24,8 @@ from graphamp.errors import ExportError
 
 FILL = {"float16": "#b9e4a8", "bfloat16": "#b9e4a8", "float32": "#aecbf2", "float64": "#d5bdf2"}
 OTHER_FILL = "#e4e4e4"  # integer and bool ops, and ops without a tensor output
-CAST_FILL, CAST_LINE = "#ffb74d", "#c2410c"
+CAST_FILL = "#ffb74d"
+CAST_STYLE = {"shape": "hexagon", "fill": CAST_FILL, "extra": 'color="#c2410c" penwidth=2'}
 SHORT = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32", "float64": "fp64"}
 _NUMBERED_BLOCK = re.compile(r"^(?:(.*?)\.)?(\d+)(?=\.|$)")  # family 'transformer.h', index 3
 
@@ -44,7 +45,7 @@ def render_svg(graphs, records, lifted: list[Node], parameter_names: dict, title
 
 def dot_source(graphs, records, lifted, parameter_names, title) -> str:
     by_name = {r["name"]: r for r in records}
-    root_path, root = graphs[0]
+    _, root = graphs[0]
     collapsed = collapsed_blocks([r for r in records if "." not in r["name"]])
     picture = _Picture(by_name, collapsed, parameter_names)
     picture.add_graph(root, "", skip=set(lifted))  # parameters and buffers: their casts name them
@@ -61,7 +62,10 @@ def dot_source(graphs, records, lifted, parameter_names, title) -> str:
 
 
 def collapsed_blocks(records: list[dict]) -> dict[str, tuple[str, str]]:
-    """{block path: (summary node id, summary label)} for the blocks identical to the first of their family."""
+    """{block path: (summary node id, label)} for each block identical to the one before it in its family.
+
+    A run of identical blocks is drawn as its first block in full and one summary node for the rest.
+    """
     blocks = defaultdict(list)
     for record in records:
         if match := _NUMBERED_BLOCK.match(record["module"]):
@@ -74,30 +78,23 @@ def collapsed_blocks(records: list[dict]) -> dict[str, tuple[str, str]]:
         start = block_path(family, index)
         return [(r["op"], r["decision"], runs_in(r), r["module"].removeprefix(start)) for r in blocks[family, index]]
 
-    families = defaultdict(list)
+    runs = []  # (family, index drawn in full, [indices same as it])
     for family, index in sorted(blocks):
-        families[family].append(index)
+        if runs and runs[-1][0] == family and signature(family, index) == signature(family, runs[-1][1]):
+            runs[-1][2].append(index)
+        else:
+            runs.append((family, index, []))
     collapsed = {}
-    for family, indices in families.items():
-        reference = signature(family, indices[0])
-        casts = sum(r["decision"] == "inserted-cast" for r in blocks[family, indices[0]])
-        runs, run = [], []
-        for index in indices[1:]:
-            if signature(family, index) == reference:
-                run.append(index)
-            elif run:
-                runs, run = runs + [run], []
-        runs += [run] if run else []
+    for family, reference, same in runs:
+        if not same:
+            continue
         short = family.rpartition(".")[2]
-
-        def name(index):
-            return f"{short}.{index}" if short else str(index)
-
-        for run in runs:
-            span = name(run[0]) if len(run) == 1 else f"{name(run[0])}–{name(run[-1])}"
-            label = f"{span}: same as {name(indices[0])}\\n({casts} casts each)"
-            for index in run:
-                collapsed[block_path(family, index)] = (f"same:{block_path(family, run[0])}", label)
+        first, last = (f"{short}.{i}" if short else str(i) for i in (same[0], same[-1]))
+        casts = sum(r["decision"] == "inserted-cast" for r in blocks[family, reference])
+        span = first if len(same) == 1 else f"{first}–{last}"
+        label = f"{span}: same as {short + '.' if short else ''}{reference}\\n({casts} casts each)"
+        for index in same:
+            collapsed[block_path(family, index)] = (f"same:{block_path(family, same[0])}", label)
     return collapsed
 
 
@@ -110,7 +107,7 @@ class _Picture:
         self.parameter_names = parameter_names
         self.clusters = defaultdict(list)  # module path (or sub-graph name) -> node lines
         self.edges = {}  # (tail, head) -> None, in insertion order
-        self.tooltips = {}
+        self.summaries = set()  # summary nodes drawn so far
 
     def add_graph(self, graph_module: GraphModule, prefix: str, skip=frozenset(), cluster: str | None = None):
         ids = {}  # fx node -> drawn id (getitem draws as the node it reads from)
@@ -139,8 +136,8 @@ class _Picture:
         if cluster is None and block_path in self.collapsed:
             summary, label = self.collapsed[block_path]
             family = block_path.rpartition(".")[0]
-            if summary not in self.tooltips:
-                self.tooltips[summary] = label
+            if summary not in self.summaries:
+                self.summaries.add(summary)
                 self.clusters[family].append(_node(summary, label, fill="#f4f4f4", style="filled,dashed"))
             return summary
         name = record["name"]
@@ -150,11 +147,10 @@ class _Picture:
         where = cluster if cluster is not None else module
         if record["decision"] == "inserted-cast":
             value = node.args[0]
-            of = ".".join(self.parameter_names[value.name].split(".")[-2:]) if value.name in self.parameter_names else value.name
+            parameter = self.parameter_names.get(value.name)
+            of = ".".join(parameter.split(".")[-2:]) if parameter else value.name  # 'c_attn.weight'
             label = f"cast → {SHORT.get(record['out_dtype'], record['out_dtype'])}\\n{of}"
-            self.clusters[where].append(
-                _node(name, label, shape="hexagon", fill=CAST_FILL, extra=f'color="{CAST_LINE}" penwidth=2', tooltip=tooltip)
-            )
+            self.clusters[where].append(_node(name, label, tooltip=tooltip, **CAST_STYLE))
         else:
             op = record["op"].removesuffix(".default")
             label = f"{op}\\n{SHORT.get(dtype) or record['out_dtype'] or '-'} · {record['decision']}"
@@ -235,7 +231,7 @@ def _legend() -> list[str]:
         "    " + _node("legend: low", "runs in float16 / bfloat16", fill=FILL["bfloat16"]),
         "    " + _node("legend: fp32", "runs in float32", fill=FILL["float32"]),
         "    " + _node("legend: other", "integer / bool", fill=OTHER_FILL),
-        "    " + _node("legend: cast", "inserted cast", shape="hexagon", fill=CAST_FILL, extra=f'color="{CAST_LINE}" penwidth=2'),
+        "    " + _node("legend: cast", "inserted cast", **CAST_STYLE),
         "  }",
     ]
 
@@ -250,8 +246,8 @@ def find_dot() -> str:
         sysconfig.get_path("scripts", f"{os.name}_user"),
         str(Path(__file__).resolve().parents[1] / "bin"),  # pip install --target DIR puts scripts in DIR/bin
     ]))
-    candidates = [shutil.which("graphviz-pure"), *(str(Path(f) / "graphviz-pure") for f in folders), shutil.which("dot")]
-    for candidate in candidates:
+    candidates = [shutil.which("graphviz-pure"), *(str(Path(f) / "graphviz-pure") for f in folders)]
+    for candidate in [*candidates, shutil.which("dot")]:
         if candidate and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
             return candidate
     raise ExportError(

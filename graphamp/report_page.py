@@ -61,7 +61,7 @@ def _casts_section(summary: dict, casts: CastCounts) -> str:
         "<table>\n<tr><th>run on the inputs the graph was captured on</th><th>dtype conversions executed</th></tr>\n"
         f"<tr><td>graphamp (the rewritten graph)</td><td class=n>{casts.graphamp}</td></tr>\n"
         f"<tr><td>torch.autocast on the original model</td><td class=n>{autocast}</td></tr>\n</table>\n"
-        f"<p>Counted: {passes}, both runs in the same train/eval mode with gradients enabled; a conversion is an "
+        f"<p>Counted: {passes}, both runs in the same train/eval mode and grad mode; a conversion is an "
         f"executed <code>aten::_to_copy</code> that changes the dtype. graphamp's count includes casting floating "
         f"outputs back to float32 (<code>fp32_outputs=True</code>).</p>"
     )
@@ -89,7 +89,9 @@ def _unlisted_section(summary: dict) -> str:
     unlisted = summary["unlisted_ops"]
     if not unlisted:
         return "<h2>Unlisted ops</h2>\n<p>None: every op of this graph is on a list.</p>"
-    rows = "\n".join(f"<tr><td><code>{_e(op)}</code></td><td class=n>{count}</td></tr>" for op, count in unlisted.items())
+    rows = "\n".join(
+        f"<tr><td><code>{_e(op)}</code></td><td class=n>{count}</td></tr>" for op, count in unlisted.items()
+    )
     return (
         "<h2>Unlisted ops</h2>\n"
         "<p>These ops are on no list, so they followed their inputs like gray ops. To decide them, add the op a line "

@@ -109,6 +109,16 @@ def test_check_lists_names_a_misnamed_list_file(tmp_path, capsys):
     assert "whitelist.txt: graphamp does not read this file; did you mean white.txt?" in capsys.readouterr().err
 
 
+def test_check_lists_warns_about_a_custom_op_not_registered_yet(tmp_path, capsys):
+    folder = write_lists(tmp_path / "mine", white="mylib::fused_gelu\n")
+
+    assert main(["check-lists", str(folder)]) == 0
+
+    captured = capsys.readouterr()
+    assert "OK" in captured.out
+    assert f"warning: {folder / 'white.txt'}:1: custom op 'mylib::fused_gelu' is not registered (yet)" in captured.err
+
+
 def test_check_lists_rejects_a_folder_without_list_files(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
 
@@ -188,12 +198,27 @@ def test_export_names_a_factory_that_is_missing_or_not_a_function(factory_module
 
 
 def test_export_names_a_factory_that_returns_the_wrong_shape(factory_module, capsys):
-    assert main(["export", "models:gpt2", "--out", "out"]) == 1
+    module = factory_module("swapped", "import torch\n\ndef make():\n    return torch.ones(2), torch.nn.Linear(2, 2)\n")
 
-    assert capsys.readouterr().err == (
+    assert main(["export", "models:gpt2", "--out", "out"]) == 1
+    assert main(["export", f"{module}:make", "--out", "out"]) == 1
+
+    assert capsys.readouterr().err.splitlines() == [
         "error: models:gpt2 returned a GPT2LMHeadModel; it must return (model, example_args) or "
-        "(model, example_args, example_kwargs).\n"
-    )
+        "(model, example_args, example_kwargs).",
+        "error: swapped:make returned (Tensor, Linear); it must return (model, example_args) or "
+        "(model, example_args, example_kwargs).",
+    ]
+
+
+def test_export_passes_on_what_rewrite_rejects(factory_module, capsys):
+    module = factory_module("half", (
+        "import torch\n\ndef make():\n    return torch.nn.Linear(2, 2).half(), torch.ones(2)\n"
+    ))
+
+    assert main(["export", f"{module}:make", "--out", "out"]) == 1
+
+    assert capsys.readouterr().err.startswith("error: half:make: parameter 'weight' is float16: graphamp keeps FP32")
 
 
 # -- help and installation -------------------------------------------------------------------------------------

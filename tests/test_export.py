@@ -74,7 +74,8 @@ def test_export_writes_the_five_files_and_each_parses(gpt2_export):
     ast.parse((out / "graph.py").read_text())
     ElementTree.parse(out / "graph.svg")
     HTMLParser().feed((out / "report.html").read_text())
-    assert (out / "diff.txt").read_text().startswith("--- captured (torch.export)\n+++ rewritten (graphamp bfloat16 O1)")
+    diff = (out / "diff.txt").read_text()
+    assert diff.startswith("--- captured (torch.export)\n+++ rewritten (graphamp bfloat16 O1)")
 
 
 def test_graph_json_names_dtype_level_and_cast_count(gpt2_export):
@@ -187,6 +188,24 @@ def test_svg_of_a_deeper_gpt2_has_no_more_nodes(gpt2_export, tmp_path):
     assert "h.1–h.3: same as h.0" in svg_text(deeper / "graph.svg")
 
 
+def test_a_block_kept_fp32_by_black_modules_is_drawn_in_full(tmp_path):
+    torch.manual_seed(0)
+    lists = graphamp.AutoMixedPrecisionLists(dtype="bfloat16", custom_black_modules=["transformer.h.1", "lm_head"])
+    amp = graphamp.rewrite(gpt2(n_layer=4), (), gpt2_inputs(), amp_lists=lists)
+
+    out = graphamp.export(amp, tmp_path)
+
+    summary = json.loads((out / "graph.json").read_text())
+    (lm_head,) = [n for n in summary["nodes"] if n["op"] == "linear.default"]
+    assert (lm_head["decision"], lm_head["source"], lm_head["out_dtype"]) == (
+        "black", "custom_black_modules: lm_head", "float32"
+    )
+    titles, text = svg_titles(out / "graph.svg"), svg_text(out / "graph.svg")
+    assert {"cluster_transformer.h.0", "cluster_transformer.h.1", "cluster_transformer.h.2"} <= titles
+    assert "cluster_transformer.h.3" not in titles
+    assert "h.3: same as h.2" in text
+
+
 def test_sub_graph_nodes_are_named_after_their_body(tmp_path):
     _, out, summary = export_of(RegionsModel(), (torch.randn(4, 8),), tmp_path)
     names = {node["name"] for node in summary["nodes"]}
@@ -229,10 +248,13 @@ def test_report_tables_each_op_with_dtype_decision_and_source(gpt2_export):
     gemms = sum(node["op"] == "addmm.default" for node in summary["nodes"])
     norms = sum(node["op"] == "layer_norm.default" for node in summary["nodes"])
 
-    assert re.search(rf"<td><code>addmm\.default</code></td><td class=n>{gemms}</td><td>bfloat16</td><td>white</td>"
-                     r"<td>lists/white\.txt:\d+</td>", page)
-    assert re.search(rf"<td><code>layer_norm\.default</code></td><td class=n>{norms}</td><td>float32</td><td>black</td>",
-                     page)
+    assert re.search(
+        rf"<td><code>addmm\.default</code></td><td class=n>{gemms}</td><td>bfloat16</td><td>white</td>"
+        r"<td>lists/white\.txt:\d+</td>", page
+    )
+    assert re.search(
+        rf"<td><code>layer_norm\.default</code></td><td class=n>{norms}</td><td>float32</td><td>black</td>", page
+    )
 
 
 def test_report_counts_casts_forward_and_backward_against_torch_autocast(gpt2_export):
