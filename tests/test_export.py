@@ -310,6 +310,16 @@ def test_export_leaves_the_model_as_it_was(tmp_path):
     assert model.training and len(amp.captures) == 1
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch.compile's imports
+def test_export_counts_a_compiled_model_without_compiling_it(tmp_path):
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    amp = graphamp.rewrite(model, (torch.randn(4, 8),), amp_lists=BF16, compile=True)
+
+    out = graphamp.export(amp, tmp_path)
+
+    assert int(re.search(r"graphamp \(the rewritten graph\)</td><td class=n>(\d+)", (out / "report.html").read_text())[1])
+
+
 def test_export_takes_the_rewritten_model(tmp_path):
     with pytest.raises(TypeError, match="AmpModule that graphamp.rewrite"):
         graphamp.export(nn.Linear(2, 2), tmp_path)
