@@ -17,7 +17,7 @@ from pathlib import Path
 from torch import nn
 
 from graphamp.errors import GraphampError, ListFileError
-from graphamp.export import export
+from graphamp.export import FILES, export
 from graphamp.lists import COLORS, AutoMixedPrecisionLists
 from graphamp.module import rewrite
 
@@ -152,7 +152,7 @@ def _export(args, parser) -> int:
         raise GraphampError(f"{args.factory}: {error}") from error
     out = export(amp_model, args.out)
     print(amp_model.report)
-    print(f"wrote {out}/: graph.py graph.json graph.svg report.html diff.txt")
+    print(f"wrote {out}/: {' '.join(FILES)}")
     return 0
 
 

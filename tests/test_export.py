@@ -215,7 +215,9 @@ def test_sub_graph_nodes_are_named_after_their_body(tmp_path):
         out / "graph.svg"
     )
     assert "cluster_true_graph_0: body of cond" in svg_titles(out / "graph.svg")
-    assert "class true_graph_0(torch.nn.Module):" in (out / "graph.py").read_text()
+    code = (out / "graph.py").read_text()
+    ast.parse(code)
+    assert "class true_graph_0(torch.nn.Module):" in code
     assert "not measured: cond cannot run under torch.autocast" in (out / "report.html").read_text()
 
 
