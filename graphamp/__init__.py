@@ -1,16 +1,19 @@
 """graphamp: static-graph automatic mixed precision for PyTorch."""
 
-from graphamp.errors import CaptureError, GraphampError, ListFileError, LossScalingError
+from graphamp.errors import CaptureError, ExportError, GraphampError, ListFileError, LossScalingError
 from graphamp.lists import AutoMixedPrecisionLists
+from graphamp.export import export
 from graphamp.module import rewrite
 from graphamp.optimizer import decorate
 
 __all__ = [
     "AutoMixedPrecisionLists",
     "CaptureError",
+    "ExportError",
     "GraphampError",
     "ListFileError",
     "LossScalingError",
     "decorate",
+    "export",
     "rewrite",
 ]

@@ -50,6 +50,9 @@ class Captured:
     report: object = None  # the cast pass's RewriteReport, once rewritten
     run: object = None  # graph_module, or its torch.compile'd form
     timings: dict = field(default_factory=dict)  # phase -> seconds: capture, cast pass, inductor compiles
+    original_code: str = ""  # the graph as captured, before the cast pass (export's diff.txt)
+    example_inputs: tuple = ((), {})  # the (args, kwargs) it was captured on (export reruns them)
+    training: bool = True  # the model's mode when captured
 
 
 def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
@@ -65,7 +68,10 @@ def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
         raise
     except Exception as error:
         raise CaptureError(explain_capture_failure(model, error)) from error
-    return _from_program(model, program)
+    captured = _from_program(model, program)
+    captured.example_inputs = (tuple(args), kwargs)
+    captured.training = model.training
+    return captured
 
 
 def _ordinary_tensors(tree):
@@ -116,6 +122,7 @@ def _from_program(model: nn.Module, program: torch.export.ExportedProgram) -> Ca
         out_spec=program.call_spec.out_spec,
         user_outputs=user_outputs,
         parameter_placeholders=parameter_placeholders,
+        original_code=graph_module.print_readable(print_output=False),
     )
 
 

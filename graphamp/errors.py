@@ -15,3 +15,7 @@ class CaptureError(GraphampError, RuntimeError):
 
 class LossScalingError(GraphampError, RuntimeError):
     """The loss-scaling optimizer wrapper was used in an order or with inputs it cannot handle."""
+
+
+class ExportError(GraphampError, RuntimeError):
+    """export() could not write one of its files (Graphviz missing or failing); the message says the fix."""

@@ -1,0 +1,199 @@
+"""The `graphamp` command: look at the lists, check a lists folder, export a model's rewritten graph.
+
+Each subcommand is one `_add_<name>(subcommands)` function that declares its arguments and the function
+that runs it; `main` lists them. Exit status: 0 done, 1 the work failed (the message says why), 2 usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import importlib
+import os
+import sys
+import warnings
+from pathlib import Path
+
+from torch import nn
+
+from graphamp.errors import GraphampError, ListFileError
+from graphamp.export import FILES, export
+from graphamp.lists import COLORS, AutoMixedPrecisionLists
+from graphamp.module import rewrite
+
+DTYPES = ("float16", "bfloat16")
+LIST_FILES = tuple(f"{color}.txt" for color in COLORS) + ("black_modules.txt",)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="graphamp",
+        description="Static-graph automatic mixed precision for PyTorch: inspect the op lists and rewritten graphs.",
+        epilog="Run `graphamp COMMAND --help` for what each command does, with an example.",
+    )
+    subcommands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_lists(subcommands)
+    _add_check_lists(subcommands)
+    _add_export(subcommands)
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args, parser)
+    except GraphampError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # `graphamp lists | head` stopped reading: not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _subcommand(subcommands, name: str, summary: str, description: str, example: str):
+    return subcommands.add_parser(
+        name, help=summary, description=f"{summary}\n\n{description}", epilog=f"example:\n  {example}",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+
+
+# -- graphamp lists --------------------------------------------------------------------------------------------
+
+def _add_lists(subcommands) -> None:
+    command = _subcommand(
+        subcommands, "lists",
+        "print the effective op lists, with where each entry comes from",
+        "Prints the white, black and gray op lists and the FP32 module patterns in effect for one dtype, each\n"
+        "entry with the file line (or argument) it comes from.",
+        "graphamp lists --dtype bfloat16 --lists my_lists",
+    )
+    command.add_argument("--lists", metavar="DIR", help="a lists folder replacing the shipped lists/")
+    command.add_argument("--dtype", choices=DTYPES, default="float16", help="the low-precision dtype (default float16)")
+    command.set_defaults(run=_lists)
+
+
+def _lists(args, parser) -> int:
+    print(AutoMixedPrecisionLists(dtype=args.dtype, lists_dir=args.lists).describe())
+    return 0
+
+
+# -- graphamp check-lists --------------------------------------------------------------------------------------
+
+def _add_check_lists(subcommands) -> None:
+    command = _subcommand(
+        subcommands, "check-lists",
+        "check a lists folder of your own",
+        "Reads white.txt, black.txt, gray.txt and black_modules.txt for float16 and bfloat16: unknown ops, ops\n"
+        "on two lists, bad section headers and misnamed files are errors that name file:line and suggest the\n"
+        "fix (exit status 1). Prints the entry counts when the folder is good.",
+        "graphamp check-lists my_lists",
+    )
+    command.add_argument("folder", metavar="DIR", help="the lists folder to check")
+    command.set_defaults(run=_check_lists)
+
+
+def _check_lists(args, parser) -> int:
+    folder = Path(args.folder)
+    if folder.is_dir():
+        _check_file_names(folder)
+    counts = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for dtype in DTYPES:
+            lists = AutoMixedPrecisionLists(dtype=dtype, lists_dir=folder)
+            counts.append(f"{dtype}: " + ", ".join(f"{len(lists.entries(c))} {c}" for c in COLORS))
+    for warning in caught:
+        print(f"warning: {warning.message}", file=sys.stderr)
+    print(f"{folder}: OK ({'; '.join(counts)})")
+    return 0
+
+
+def _check_file_names(folder: Path) -> None:
+    """A misnamed list file would be silently ignored: name it, and the file it was probably meant to be."""
+    present = sorted(p.name for p in folder.glob("*.txt"))
+    for name in present:
+        if name not in LIST_FILES:
+            close = difflib.get_close_matches(name.lower(), LIST_FILES, n=1, cutoff=0.6)
+            if close:
+                raise ListFileError(f"{folder / name}: graphamp does not read this file; did you mean {close[0]}?")
+    if not set(present) & set(LIST_FILES):
+        raise ListFileError(
+            f"{folder}: holds none of {', '.join(LIST_FILES)}; a lists folder replaces the shipped lists, "
+            f"so it would leave every op unlisted. Copy graphamp's lists/ folder and edit it."
+        )
+
+
+# -- graphamp export -------------------------------------------------------------------------------------------
+
+def _add_export(subcommands) -> None:
+    command = _subcommand(
+        subcommands, "export",
+        "rewrite a model and write its graph, picture and report",
+        "Imports MODULE (from the current folder or the Python path), calls FACTORY(), which returns\n"
+        "(model, example_args) or (model, example_args, example_kwargs), rewrites the model and writes\n"
+        "graph.py, graph.json, graph.svg, report.html and diff.txt to the --out folder.",
+        "graphamp export my_models:tiny_gpt2 --out gpt2_amp --dtype bfloat16",
+    )
+    command.add_argument("factory", metavar="MODULE:FACTORY", help="e.g. my_models:tiny_gpt2")
+    command.add_argument("--out", metavar="DIR", required=True, help="the folder to write (created if missing)")
+    command.add_argument("--lists", metavar="DIR", help="a lists folder replacing the shipped lists/")
+    command.add_argument("--dtype", choices=DTYPES, default="float16", help="the low-precision dtype (default float16)")
+    command.add_argument(
+        "--level", choices=("O1", "O2"), default="O1", help="O1: lists decide (default); O2: all but black ops run low"
+    )
+    command.set_defaults(run=_export)
+
+
+def _export(args, parser) -> int:
+    module_name, _, factory_name = args.factory.partition(":")
+    if not module_name or not factory_name.isidentifier():
+        parser.error(f"MODULE:FACTORY expected, got {args.factory!r} (for example my_models:tiny_gpt2)")
+    model, example_args, example_kwargs = _call_factory(module_name, factory_name)
+    lists = AutoMixedPrecisionLists(dtype=args.dtype, lists_dir=args.lists)
+    try:
+        amp_model = rewrite(model, example_args, example_kwargs, amp_lists=lists, level=args.level)
+    except (TypeError, ValueError) as error:  # rewrite's own checks (FP16 parameters, ...) say the fix already
+        raise GraphampError(f"{args.factory}: {error}") from error
+    out = export(amp_model, args.out)
+    print(amp_model.report)
+    print(f"wrote {out}/: {' '.join(FILES)}")
+    return 0
+
+
+def _call_factory(module_name: str, factory_name: str):
+    spec = f"{module_name}:{factory_name}"
+    here = os.getcwd()
+    sys.path.insert(0, here)  # `graphamp export my_models:f` finds my_models.py here, as `python -m` would
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise GraphampError(
+            f"{spec}: cannot import {module_name!r} ({error}); run from the folder that holds it."
+        ) from error
+    finally:
+        sys.path.remove(here)
+    factory = getattr(module, factory_name, None)
+    if factory is None:
+        functions = [name for name, value in vars(module).items() if callable(value) and not name.startswith("_")]
+        close = difflib.get_close_matches(factory_name, functions, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else "."
+        raise GraphampError(f"{spec}: {module_name} has no {factory_name!r}{hint}")
+    if not callable(factory):
+        raise GraphampError(
+            f"{spec}: {module_name}.{factory_name} is of type {type(factory).__name__}; FACTORY must be a function."
+        )
+    result = factory()
+    if not (isinstance(result, tuple) and len(result) in (2, 3) and isinstance(result[0], nn.Module)):
+        if isinstance(result, tuple):
+            got = f"({', '.join(type(item).__name__ for item in result)})"
+        else:
+            got = f"a {type(result).__name__}"
+        raise GraphampError(
+            f"{spec} returned {got}; it must return (model, example_args) or (model, example_args, example_kwargs)."
+        )
+    model, example_args, example_kwargs = (*result, {}) if len(result) == 2 else result
+    if not isinstance(example_args, tuple):
+        example_args = (example_args,)
+    if not isinstance(example_kwargs, dict):
+        raise GraphampError(f"{spec} returned example_kwargs of type {type(example_kwargs).__name__}; return a dict.")
+    return model, example_args, example_kwargs
+
+
+if __name__ == "__main__":
+    sys.exit(main())

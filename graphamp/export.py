@@ -1,0 +1,233 @@
+"""export(): write what the cast pass did to one folder, for people and for tools.
+
+- graph.py: the rewritten graph as Python (fx's readable code); every op line ends with its decision, and
+  "inserted cast" marks the casts graphamp added.
+- graph.json: one record per op node: name, op, decision, source, in_dtypes, out_dtype, module.
+- graph.svg: the picture (graph_picture.py); report.html: the page around it (report_page.py).
+- diff.txt: the graph as captured vs as rewritten.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+
+import torch
+import torch.utils._pytree as pytree
+from torch._ops import HigherOrderOperator, OpOverload
+from torch.fx import GraphModule, Node
+
+from graphamp.cast_pass import node_dtype
+from graphamp.lists import op_lookup_keys
+from graphamp.module import AmpModule
+from graphamp.graph_picture import render_svg
+from graphamp.recording import DtypeRecorder
+from graphamp.report_page import CastCounts, render_report
+
+FILES = ("graph.py", "graph.json", "graph.svg", "report.html", "diff.txt")
+
+
+def export(amp_model: AmpModule, out_dir) -> Path:
+    """Write graph.py, graph.json, graph.svg, report.html and diff.txt for the graph `amp_model` last ran.
+
+    report.html reruns the model on the inputs it was captured on, once through graphamp and once under
+    torch.autocast, to count the casts each executes; the model's buffers and RNG state are restored after.
+    Returns the folder.
+    """
+    if not isinstance(amp_model, AmpModule):
+        raise TypeError(
+            f"export() takes the AmpModule that graphamp.rewrite() returns, got {type(amp_model).__name__}."
+        )
+    captured = next(c for c in amp_model.captures if c.graph_module is amp_model.graph_module)
+    graphs = sub_graphs(captured.graph_module)
+    records = [record for path, graph_module in graphs for record in node_records(graph_module, path)]
+    report = captured.report
+    summary = {
+        "model": type(amp_model.original_module).__name__,
+        "dtype": dtype_name(report.dtype),
+        "level": report.level,
+        "casts": report.casts_inserted,
+        "unlisted_ops": dict(report.unlisted_ops.most_common()),
+        "nodes": records,
+    }
+    lifted = captured.graph_module.graph.find_nodes(op="placeholder")[: len(captured.lifted)]
+    svg = render_svg(graphs, records, lifted, captured.parameter_placeholders, _title(summary))
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "graph.py").write_text(_header(summary) + marked_code(graphs), encoding="utf-8")
+    (out / "graph.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    (out / "graph.svg").write_text(svg, encoding="utf-8")
+    page = render_report(summary, svg, count_executed_casts(amp_model, captured), _title(summary))
+    (out / "report.html").write_text(page, encoding="utf-8")
+    (out / "diff.txt").write_text(graph_diff(captured.original_code, captured.graph_module, summary), encoding="utf-8")
+    return out
+
+
+def dtype_name(dtype: torch.dtype | None) -> str | None:
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def sub_graphs(graph_module: GraphModule, path: tuple = ()) -> list[tuple[tuple, GraphModule]]:
+    """The graph and the bodies of its higher-order ops (torch.cond branches, ...), by attribute path."""
+    found = [(path, graph_module)]
+    for node in graph_module.graph.find_nodes(op="get_attr"):
+        body = getattr(graph_module, node.target)
+        if isinstance(body, GraphModule):
+            found += sub_graphs(body, path + (node.target,))
+    return found
+
+
+def node_records(graph_module: GraphModule, path: tuple = ()) -> list[dict]:
+    """graph.json's record of every node the cast pass decided on; sub-graph nodes are named `body.node`."""
+    prefix = "".join(f"{part}." for part in path)
+    records = []
+    for node in graph_module.graph.nodes:
+        mark = node.meta.get("graphamp")
+        # torch.export shares one meta dict between a no_grad region's last op and the getitem reading it out.
+        if mark is None or not isinstance(node.target, (OpOverload, HigherOrderOperator)):
+            continue
+        outputs = [t for t in pytree.tree_leaves(node.meta.get("val")) if isinstance(t, torch.Tensor)]
+        records.append({
+            "name": prefix + node.name,
+            "op": op_lookup_keys(node.target)[0] if isinstance(node.target, OpOverload) else node.target.__name__,
+            "decision": mark["decision"],
+            "source": mark["source"],
+            "in_dtypes": [dtype_name(d) for d in map(node_dtype, node.all_input_nodes) if d is not None],
+            "out_dtype": dtype_name(outputs[0].dtype) if outputs else None,
+            "module": mark["module"],
+        })
+    return records
+
+
+# -- graph.py and diff.txt -----------------------------------------------------------------------------------
+
+_CLASS_LINE = re.compile(r"^( *)class (\w+)\(torch\.nn\.Module\):")
+_ASSIGNMENT = re.compile(r"^ *(\w+)(?:: \"[^\"]*\")? = ")
+
+
+def marked_code(graphs: list[tuple[tuple, GraphModule]]) -> str:
+    """fx's readable code of the graph, each decided op line ending with `# graphamp: ...`."""
+    nodes = {path: {n.name: n for n in graph_module.graph.nodes} for path, graph_module in graphs}
+    root = graphs[0][1]
+    lines, classes = [], []
+    for line in root.print_readable(print_output=False).splitlines():
+        # Sub-graph bodies print as nested classes named after their attribute; node names repeat across them.
+        if match := _CLASS_LINE.match(line):
+            classes = classes[: len(match[1]) // 4] + [match[2]]
+        elif match := _ASSIGNMENT.match(line):
+            node = nodes.get(tuple(classes[1:]), {}).get(match[1])
+            mark = node.meta.get("graphamp") if node is not None else None
+            if mark is not None:
+                line += f"  # graphamp: {_describe(mark)}"
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def _describe(mark: dict) -> str:
+    if mark["decision"] == "inserted-cast":
+        return f"inserted cast to {mark['source']}"
+    return f"{mark['decision']} ({mark['source']})" if mark["source"] else mark["decision"]
+
+
+def _title(summary: dict) -> str:
+    return f"{summary['model']} · {summary['dtype']} · {summary['level']} · {summary['casts']} casts inserted"
+
+
+def _header(summary: dict) -> str:
+    return (
+        f"# graphamp: the rewritten graph of {_title(summary)}.\n"
+        f"# Each op line ends with its decision and the list line (or argument) it came from; 'inserted cast'\n"
+        f"# marks the casts graphamp added. Placeholders p_*/b_*/c_* are the model's parameters, buffers and\n"
+        f"# constants, fed on every call; the user's inputs follow them.\n"
+        f"import torch\n\n\n"
+    )
+
+
+def graph_diff(original_code: str, graph_module: GraphModule, summary: dict) -> str:
+    """A unified diff of the graph's code as captured and as rewritten (comment and blank lines left out)."""
+    def code_lines(code):
+        return [line + "\n" for line in code.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+    diff = difflib.unified_diff(
+        code_lines(original_code),
+        code_lines(graph_module.print_readable(print_output=False)),
+        fromfile="captured (torch.export)",
+        tofile=f"rewritten (graphamp {summary['dtype']} {summary['level']})",
+        n=1,
+    )
+    return "".join(diff)
+
+
+# -- casts executed: graphamp vs torch.autocast ----------------------------------------------------------------
+
+def count_executed_casts(amp_model: AmpModule, captured) -> CastCounts:
+    """Casts executed by the rewritten graph and by torch.autocast on the original, on the capture's inputs.
+
+    Forward and backward when the model returns a scalar loss, else forward only; the same for both. Gradients
+    come from torch.autograd.grad, so no `.grad` is touched.
+    """
+    model = amp_model.original_module
+    args, kwargs = captured.example_inputs
+    device = next(model.parameters(), torch.empty(0)).device
+    with _state_kept(model):
+        model.train(captured.training)  # the mode of this capture, so amp_model runs this very graph
+        with torch.compiler.set_stance("force_eager"):
+            graphamp, backward = _casts_of(amp_model, model, args, kwargs, nullcontext())
+        control_flow = _control_flow_ops(captured.graph_module)
+        if control_flow:
+            # In torch 2.13 they fail under autocast and a dispatch mode, and leave dynamo unable to export them again.
+            return CastCounts(graphamp, None, backward, f"{', '.join(control_flow)} cannot run under torch.autocast "
+                              f"while kernels are recorded (torch {torch.__version__})")
+        try:
+            autocast, _ = _casts_of(model, model, args, kwargs, torch.autocast(device.type, captured.report.dtype))
+        except Exception as error:  # the comparison informs; a model autocast cannot run still gets its files
+            first_line = (str(error).strip().splitlines() or [""])[0]
+            return CastCounts(graphamp, None, backward, f"it failed with {type(error).__name__}: {first_line[:300]}")
+    return CastCounts(graphamp, autocast, backward)
+
+
+def _control_flow_ops(graph_module: GraphModule) -> list[str]:
+    """torch.cond, while_loop, ...: higher-order ops the original model runs as such (not no_grad regions)."""
+    return sorted({
+        node.target.__name__
+        for _, body in sub_graphs(graph_module)
+        for node in body.graph.nodes
+        if isinstance(node.target, HigherOrderOperator) and not node.target.__name__.startswith("wrap_with_")
+    })
+
+
+def _casts_of(call, model, args, kwargs, autocast) -> tuple[int, bool]:
+    with DtypeRecorder() as recorder:
+        with autocast:
+            output = call(*args, **kwargs)
+        loss = next(
+            (t for t in pytree.tree_leaves(output)
+             if isinstance(t, torch.Tensor) and t.dim() == 0 and t.is_floating_point() and t.requires_grad),
+            None,
+        )
+        parameters = [p for p in model.parameters() if p.requires_grad]
+        if loss is not None and parameters:
+            torch.autograd.grad(loss, parameters, allow_unused=True)
+    return recorder.casts, loss is not None and bool(parameters)
+
+
+@contextmanager
+def _state_kept(model):
+    """Undo what running the model changes: BatchNorm statistics, RNG state (dropout), train/eval modes."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    modes = [(m, m.training) for m in model.modules()]
+    tensors = [*model.parameters(), *model.buffers()]
+    devices = sorted({t.device.index for t in tensors if t.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
+            for module, training in modes:
+                module.training = training

@@ -1,0 +1,123 @@
+"""report.html: one self-contained page (no network) on what the cast pass did to one graph.
+
+The picture, the casts graphamp executes next to torch.autocast's, the ops on no list, and a table of every
+op by dtype, decision and source.
+"""
+
+from __future__ import annotations
+
+import html
+import re
+from collections import Counter
+from dataclasses import dataclass
+
+from graphamp.graph_picture import CAST_FILL, FILL, OTHER_FILL, runs_in
+
+_DECISION_ORDER = {"white": 0, "black": 1, "gray": 2, "unlisted": 3, "explicit-cast": 4, "inserted-cast": 5}
+_STYLE = """
+body { font-family: Helvetica, Arial, sans-serif; margin: 2em; color: #222; max-width: 1200px; }
+h1 { font-size: 1.4em; } h2 { font-size: 1.15em; margin-top: 1.6em; }
+table { border-collapse: collapse; font-size: 0.9em; }
+td, th { border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: left; }
+th { background: #f2f2f2; } td.n { text-align: right; }
+code { background: #f4f4f4; padding: 0 0.2em; }
+.picture { overflow: auto; max-height: 80vh; border: 1px solid #ccc; }
+.swatch { display: inline-block; width: 0.9em; height: 0.9em; border: 1px solid #888; vertical-align: middle; }
+"""
+
+
+@dataclass
+class CastCounts:
+    """dtype conversions executed on the capture's inputs: through graphamp and under torch.autocast."""
+
+    graphamp: int
+    autocast: int | None  # None when torch.autocast could not run the model
+    backward: bool  # forward and backward, or forward only
+    autocast_error: str = ""  # why autocast was not measured
+
+
+def render_report(summary: dict, svg: str, casts: CastCounts, title: str) -> str:
+    """report.html's text."""
+    sections = [
+        f"<h1>graphamp: {_e(title)}</h1>",
+        _casts_section(summary, casts),
+        _picture_section(svg),
+        _unlisted_section(summary),
+        _ops_section(summary),
+    ]
+    return (
+        f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n<title>graphamp: {_e(title)}</title>\n'
+        f"<style>{_STYLE}</style>\n</head>\n<body>\n" + "\n".join(sections) + "\n</body>\n</html>\n"
+    )
+
+
+def _casts_section(summary: dict, casts: CastCounts) -> str:
+    passes = "forward and backward" if casts.backward else "forward only (the model returns no scalar loss)"
+    autocast = casts.autocast if casts.autocast is not None else f"not measured: {_e(casts.autocast_error)}"
+    return (
+        "<h2>Casts</h2>\n"
+        f"<p>The cast pass inserted <b>{summary['casts']}</b> cast nodes into the graph "
+        f"({summary['dtype']}, level {summary['level']}).</p>\n"
+        "<table>\n<tr><th>run on the inputs the graph was captured on</th><th>dtype conversions executed</th></tr>\n"
+        f"<tr><td>graphamp (the rewritten graph)</td><td class=n>{casts.graphamp}</td></tr>\n"
+        f"<tr><td>torch.autocast on the original model</td><td class=n>{autocast}</td></tr>\n</table>\n"
+        f"<p>Counted: {passes}, both runs in the same train/eval mode and grad mode; a conversion is an "
+        f"executed <code>aten::_to_copy</code> that changes the dtype. graphamp's count includes casting floating "
+        f"outputs back to float32 (<code>fp32_outputs=True</code>).</p>"
+    )
+
+
+def _picture_section(svg: str) -> str:
+    # The SVG goes inline: the page must stand alone. Its XML prologue is not allowed inside HTML.
+    inline = re.sub(r"^.*?(?=<svg)", "", svg, count=1, flags=re.S)
+    legend = " ".join(
+        f'<span class=swatch style="background:{colour}"></span> {_e(what)}'
+        for colour, what in [
+            (FILL["bfloat16"], "runs in float16/bfloat16"), (FILL["float32"], "runs in float32"),
+            (OTHER_FILL, "integer / bool"), (CAST_FILL, "inserted cast (hexagon)"),
+        ]
+    )
+    return (
+        "<h2>Graph</h2>\n"
+        f"<p>{legend}. Boxes around ops are the modules they ran in; a dashed node stands for blocks identical to "
+        f"the one drawn in full. Hover over an op for its decision and source.</p>\n"
+        f'<div class="picture">{inline}</div>'
+    )
+
+
+def _unlisted_section(summary: dict) -> str:
+    unlisted = summary["unlisted_ops"]
+    if not unlisted:
+        return "<h2>Unlisted ops</h2>\n<p>None: every op of this graph is on a list.</p>"
+    rows = "\n".join(
+        f"<tr><td><code>{_e(op)}</code></td><td class=n>{count}</td></tr>" for op, count in unlisted.items()
+    )
+    return (
+        "<h2>Unlisted ops</h2>\n"
+        "<p>These ops are on no list, so they followed their inputs like gray ops. To decide them, add the op a line "
+        "to <code>white.txt</code>, <code>black.txt</code> or <code>gray.txt</code> in your lists folder, or pass "
+        "<code>AutoMixedPrecisionLists(custom_gray_list=[...])</code> (or white/black).</p>\n"
+        f"<table>\n<tr><th>op</th><th>count</th></tr>\n{rows}\n</table>"
+    )
+
+
+def _ops_section(summary: dict) -> str:
+    groups = Counter()
+    for record in summary["nodes"]:
+        # Each inserted cast names the op it feeds; grouped by target dtype they read better.
+        source = "the cast pass" if record["decision"] == "inserted-cast" else record["source"]
+        groups[record["op"], runs_in(record) or record["out_dtype"] or "-", record["decision"], source] += 1
+    ordered = sorted(groups.items(), key=lambda item: (_DECISION_ORDER.get(item[0][2], 9), -item[1], item[0][0]))
+    rows = "\n".join(
+        f"<tr><td><code>{_e(op)}</code></td><td class=n>{count}</td><td>{_e(dtype)}</td><td>{_e(decision)}</td>"
+        f"<td>{_e(source)}</td></tr>"
+        for (op, dtype, decision, source), count in ordered
+    )
+    return (
+        "<h2>Ops</h2>\n<table>\n<tr><th>op</th><th>count</th><th>runs in</th><th>decision</th><th>source</th></tr>\n"
+        f"{rows}\n</table>"
+    )
+
+
+def _e(text) -> str:
+    return html.escape(str(text))
