@@ -4,7 +4,8 @@ One walk over `graph.nodes` in order (like torch.ao.quantization's prepare/conve
 classified white (runs low), black (runs FP32), gray (follows its inputs: low when all its floating inputs
 are low, else FP32 — Paddle's rule), unlisted (acts gray, reported) or explicit-cast (the model chose the
 dtype itself: left alone). Casts are `aten._to_copy` nodes shared per (value, dtype), inserted before the
-first node that needs them, and folded: a cast of one of our own casts goes back to the original value.
+first node that needs them, and folded: a cast of one of our own casts goes back to the original value, and
+a reshape's cast is the reshape of its input's cast.
 `node.meta["val"]` is recomputed on fake tensors for every node whose inputs changed dtype.
 """
 
@@ -42,6 +43,13 @@ _NORM_OPS = {
     "native_group_norm",
 }
 _NORM_PARAMETER_ARGS = {"weight", "bias", "running_mean", "running_var"}
+# Ops that only reshape (same elements, same order): a cast of their result is their result on a cast of
+# their input, so it is made that way and one cast serves the value and all its reshapes (logits and the
+# flattened logits a loss reads, say).
+_RESHAPE_OPS = {
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
+    aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
+}
 # export's checks that a `.to()` result has the traced dtype; after the rewrite the dtype may differ.
 _TRACE_ASSERTS = {aten._assert_tensor_metadata.default}
 
@@ -223,7 +231,9 @@ class _CastPass:
         if node_dtype(root) == dtype:
             return root
         cast = self.casts.get((root, dtype))
-        if cast is None:
+        if cast is None and root.op == "call_function" and root.target in _RESHAPE_OPS and _is_castable(root.args[0]):
+            cast = self._reshape_of_cast(root, dtype, before)
+        elif cast is None:
             with self.graph.inserting_before(before):
                 cast = self.graph.call_function(CAST_OP, (root,), {"dtype": dtype})
             with self.fake_mode:
@@ -238,6 +248,22 @@ class _CastPass:
             self.cast_source[cast] = root
             self.report.casts_inserted += 1
         return cast
+
+    def _reshape_of_cast(self, reshape: Node, dtype: torch.dtype, before: Node) -> Node:
+        """`reshape` in `dtype`, made as the same reshape of its input's (shared) cast."""
+        source = self._cast(reshape.args[0], dtype, before)
+        with self.graph.inserting_before(before):
+            reshaped = self.graph.call_function(reshape.target, (source, *reshape.args[1:]), dict(reshape.kwargs))
+        args, kwargs = map_arg((reshaped.args, reshaped.kwargs), lambda n: n.meta.get("val"))
+        with self.fake_mode:
+            reshaped.meta["val"] = reshape.target(*args, **kwargs)
+        reshaped.meta["nn_module_stack"] = reshape.meta.get("nn_module_stack", {})
+        decision, origin = self._decide(reshaped)
+        reshaped.meta["graphamp"] = {"decision": decision, "source": origin, "module": module_path(reshape)}
+        self.report.decisions[decision] += 1
+        self.casts[(reshape, dtype)] = reshaped
+        self.cast_source[reshaped] = reshape
+        return reshaped
 
     def _forget_casts_of(self, value: Node) -> None:
         root = self.cast_source.get(value, value)

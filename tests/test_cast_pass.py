@@ -177,6 +177,31 @@ def test_cast_of_an_inserted_cast_is_folded_into_it():
     assert exp.args[0].op == "placeholder"  # the FP32 master weight itself, not bf16 -> fp32
 
 
+def test_a_value_and_its_reshapes_share_one_cast():
+    """Logits come back FP32 (fp32_outputs) and the loss reads them flattened in FP32: one copy serves both."""
+
+    class Classifier(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(8, 6)
+
+        def forward(self, x, labels):
+            logits = self.proj(x)
+            return F.cross_entropy(logits.view(-1, 6), labels.view(-1)), logits
+
+    model, x, labels = Classifier(), torch.randn(2, 3, 8), torch.randint(0, 6, (2, 3))
+    amp = rewrite_bf16(model, x, labels)
+
+    up_casts = [c for c in inserted_casts(amp.graph_module) if c.kwargs["dtype"] == torch.float32]
+    assert len(up_casts) == 1
+    loss, logits = amp(x, labels)
+    assert logits.dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected_loss, expected_logits = model(x, labels)
+    torch.testing.assert_close(logits, expected_logits.float())
+    torch.testing.assert_close(loss, expected_loss)
+
+
 def test_each_parameter_is_cast_at_most_once_per_forward():
     amp = graphamp.rewrite(models.bert(), (), {"input_ids": models.token_batch()}, amp_lists=BF16)
     sources = Counter(c.args[0].name for c in inserted_casts(amp.graph_module) if c.args[0].op == "placeholder")
