@@ -12,6 +12,7 @@ runs in a child process of its own, so that its peak memory and its compile cach
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import itertools
 import json
@@ -128,7 +129,10 @@ def _reset_peak_memory(device: str) -> None:
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     else:
-        Path("/proc/self/clear_refs").write_text("5")  # Linux: the peak RSS (VmHWM) starts again from now
+        # Hand memory freed by capture and compile back to the OS first (glibc keeps it otherwise), so that
+        # the peak counts what the steps use; then Linux's peak RSS (VmHWM) starts again from now.
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        Path("/proc/self/clear_refs").write_text("5")
 
 
 def _peak_memory_mib(device: str) -> float:
@@ -166,6 +170,17 @@ def run_child(args, model_name: str, mode: str, dtype_name: str) -> dict:
     return {"model": model_name, "mode": mode, "dtype": dtype_name, "error": done.stderr.strip().splitlines()[-1:]}
 
 
+def median_round(same_run: list[dict]) -> dict:
+    """The round with the median step time, and how far the rounds spread."""
+    done = sorted((r for r in same_run if "error" not in r), key=lambda r: r["step_s"])
+    if not done:
+        return same_run[0]
+    chosen = dict(done[len(done) // 2])
+    chosen["spread"] = (done[-1]["step_s"] - done[0]["step_s"]) / chosen["step_s"]
+    chosen["rounds_step_s"] = [r["step_s"] for r in done]
+    return chosen
+
+
 def device_name(device: str) -> str:
     if device == "cuda":
         return torch.cuda.get_device_name()
@@ -185,9 +200,9 @@ def table(results: list[dict], device: str, name: str) -> str:
     by_key = {(r["model"], r["mode"]): r for r in results}
     unit = {r["model"]: r.get("unit", "items") for r in results}
     rows = [
-        "| model | mode | step ms | × FP32 speed | × autocast speed | items/s | peak MiB | memory / autocast "
+        "| model | mode | step ms | spread | × FP32 speed | × autocast speed | items/s | peak MiB | memory / autocast "
         "| casts / step | rewrite s | compile s |" + (" MFU |" if peak else ""),
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if peak else ""),
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if peak else ""),
     ]
     for r in results:
         if "error" in r:
@@ -197,7 +212,7 @@ def table(results: list[dict], device: str, name: str) -> str:
         autocast = by_key.get((r["model"], r["mode"].replace("graphamp", "autocast")), {})
         is_graphamp = r["mode"].startswith("graphamp")
         cells = [
-            r["model"], r["mode"], f"{1e3 * r['step_s']:.1f}",
+            r["model"], r["mode"], f"{1e3 * r['step_s']:.1f}", f"{100 * r.get('spread', 0):.0f}%",
             _ratio(fp32.get("step_s"), r["step_s"]),
             _ratio(autocast.get("step_s"), r["step_s"]) if is_graphamp else "",
             f"{r['items'] / r['step_s']:,.0f} {unit[r['model']]}",
@@ -236,6 +251,10 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--steps", type=int, default=20, help="timed steps after warm-up (the median is reported)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first; the first one compiles")
+    parser.add_argument(
+        "--repeats", type=int, default=3,
+        help="rounds over every model and mode (a shared machine drifts; the median round is reported)",
+    )
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per (model, mode, dtype)")
     parser.add_argument("--results", type=Path, help="write the tables into this markdown file")
     parser.add_argument("--child", nargs=3, metavar=("MODEL", "MODE", "DTYPE"), help=argparse.SUPPRESS)
@@ -250,18 +269,20 @@ def main() -> None:
     import transformers
 
     for dtype_name in dtypes:
-        results = [
-            run_child(args, model_name, mode, dtype_name)
-            for model_name in args.models.split(",")
-            for mode in args.modes.split(",")
+        runs = [
+            (model_name, mode) for model_name in args.models.split(",") for mode in args.modes.split(",")
         ]
+        rounds = [[run_child(args, model_name, mode, dtype_name) for model_name, mode in runs] for _ in range(args.repeats)]
+        results = [median_round(list(same_run)) for same_run in zip(*rounds)]
         heading = (
             f"### {name}: {dtype_name}\n\ntorch {torch.__version__}, transformers {transformers.__version__}, "
-            f"{datetime.date.today().isoformat()}; median of {args.steps} train steps (forward, backward, AdamW) "
-            f"after {args.warmup} warm-up steps. Peak memory: "
+            f"{datetime.date.today().isoformat()}. Step time: median of {args.steps} train steps (forward, backward, "
+            f"AdamW) after {args.warmup} warm-up steps, in a child process per mode; the modes ran round-robin "
+            f"{args.repeats} times and the median round is shown, with the spread of the rounds (max − min, "
+            f"relative) next to it. Peak memory: "
             + ("`torch.cuda.max_memory_allocated`." if args.device == "cuda" else
-               "the process's peak resident memory during the timed steps, less its resident memory before the "
-               "model was built (torch's libraries).")
+               "the process's peak resident memory during the timed steps (after freed memory is handed back to the "
+               "OS), less its resident memory before the model was built (torch's libraries).")
             + "\n"
         )
         block = heading + "\n" + table(results, args.device, name)
