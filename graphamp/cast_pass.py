@@ -127,6 +127,7 @@ class _CastPass:
         self.never_cast_down = {n for n in self.graph.nodes if n.op == "placeholder" and n.name in fp32_placeholders}
         self.casts: dict[tuple[Node, torch.dtype], Node] = {}
         self.cast_source: dict[Node, Node] = {}
+        self.recast_reshapes: list[Node] = []  # reshapes remade on a cast of their input (_reshape_of_cast)
         self.fake_mode = detect_fake_mode([n.meta.get("val") for n in self.graph.nodes]) or nullcontext()
 
     def run(self, restore_outputs: bool) -> None:
@@ -143,6 +144,9 @@ class _CastPass:
                     self._visit_higher_order(node)
                 elif node.target is operator.getitem:
                     self._refresh_meta(node)
+        for reshape in self.recast_reshapes:
+            if not reshape.users:  # every user took the reshape of the cast instead
+                self.graph.erase_node(reshape)
         self.graph.lint()
         self.graph_module.recompile()
 
@@ -263,6 +267,7 @@ class _CastPass:
         self.report.decisions[decision] += 1
         self.casts[(reshape, dtype)] = reshaped
         self.cast_source[reshaped] = reshape
+        self.recast_reshapes.append(reshape)
         return reshaped
 
     def _forget_casts_of(self, value: Node) -> None:
