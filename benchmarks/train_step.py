@@ -12,6 +12,7 @@ runs in a child process of its own, so that its peak memory and its compile cach
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import datetime
 import itertools
@@ -59,12 +60,12 @@ def measure(model_name: str, mode: str, dtype_name: str, device: str, steps: int
         result["rewrite_s"] = time.perf_counter() - started
         if low == torch.float16:
             optimizer = graphamp.decorate(optimizer, lists)
-        autocast = _no_autocast
+        autocast = contextlib.nullcontext
     else:
         net = torch.compile(model) if compiled else model
         if mode.startswith("autocast") and low == torch.float16:
             scaler = torch.amp.GradScaler(device)
-        autocast = (lambda: torch.autocast(device, low)) if mode.startswith("autocast") else _no_autocast
+        autocast = (lambda: torch.autocast(device, low)) if mode.startswith("autocast") else contextlib.nullcontext
 
     next_batch = itertools.cycle(batches).__next__
 
@@ -105,14 +106,6 @@ def measure(model_name: str, mode: str, dtype_name: str, device: str, steps: int
         result["flops"] = _flops_of(forward_backward)
         optimizer.zero_grad(set_to_none=True)
     return result
-
-
-class _no_autocast:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _timed(step, device: str) -> float:

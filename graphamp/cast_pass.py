@@ -23,7 +23,7 @@ from torch._ops import HigherOrderOperator, OpOverload
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
-from graphamp.lists import BLACK, GRAY, HALF_DTYPES, WHITE, AutoMixedPrecisionLists, op_lookup_keys
+from graphamp.lists import BLACK, GRAY, HALF_DTYPES, WHITE, AutoMixedPrecisionLists, dtype_name, op_lookup_keys
 
 aten = torch.ops.aten
 CAST_OP = aten._to_copy.default
@@ -66,7 +66,7 @@ class RewriteReport:
 
     def __str__(self) -> str:
         lines = [
-            f"graphamp rewrite ({str(self.dtype).removeprefix('torch.')}, {self.level}): "
+            f"graphamp rewrite ({dtype_name(self.dtype)}, {self.level}): "
             f"{self.casts_inserted} casts inserted",
             "  ops by decision: " + ", ".join(f"{d}={n}" for d, n in sorted(self.decisions.items())),
         ]
@@ -245,7 +245,7 @@ class _CastPass:
             cast.meta["nn_module_stack"] = before.meta.get("nn_module_stack", {})
             cast.meta["graphamp"] = {
                 "decision": INSERTED_CAST,
-                "source": f"{str(dtype).removeprefix('torch.')} for {before.name}",
+                "source": f"{dtype_name(dtype)} for {before.name}",
                 "module": module_path(before),
             }
             self.casts[(root, dtype)] = cast
@@ -258,9 +258,7 @@ class _CastPass:
         source = self._cast(reshape.args[0], dtype, before)
         with self.graph.inserting_before(before):
             reshaped = self.graph.call_function(reshape.target, (source, *reshape.args[1:]), dict(reshape.kwargs))
-        args, kwargs = map_arg((reshaped.args, reshaped.kwargs), lambda n: n.meta.get("val"))
-        with self.fake_mode:
-            reshaped.meta["val"] = reshape.target(*args, **kwargs)
+        reshaped.meta["val"] = self._run_on_fake_values(reshaped)
         reshaped.meta["nn_module_stack"] = reshape.meta.get("nn_module_stack", {})
         decision, origin = self._decide(reshaped)
         reshaped.meta["graphamp"] = {"decision": decision, "source": origin, "module": module_path(reshape)}
@@ -277,10 +275,8 @@ class _CastPass:
 
     def _promotes_to_fp32(self, node: Node) -> bool:
         """Whether torch's type promotion runs this op in FP32 on its mixed inputs as they are."""
-        args, kwargs = map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
         try:
-            with self.fake_mode:
-                result = node.target(*args, **kwargs)
+            result = self._run_on_fake_values(node)
         except Exception:  # the op wants matching dtypes: cast explicitly
             return False
         floats = [t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor) and t.is_floating_point()]
@@ -290,9 +286,13 @@ class _CastPass:
         """Recompute node.meta['val'] on fake tensors when an input's dtype changed, so it stays true."""
         if all(_dtype_signature(n.meta.get("val")) == self.traced_dtype.get(n) for n in node.all_input_nodes):
             return
+        node.meta["val"] = self._run_on_fake_values(node)
+
+    def _run_on_fake_values(self, node: Node):
+        """What `node` returns on its inputs' meta values: shapes and dtypes, no data."""
         args, kwargs = map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
         with self.fake_mode:
-            node.meta["val"] = node.target(*args, **kwargs)
+            return node.target(*args, **kwargs)
 
 
 def _dtype_signature(value):

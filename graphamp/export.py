@@ -21,7 +21,7 @@ from torch._ops import HigherOrderOperator, OpOverload
 from torch.fx import GraphModule, Node
 
 from graphamp.cast_pass import node_dtype
-from graphamp.lists import op_lookup_keys
+from graphamp.lists import dtype_name, op_lookup_keys
 from graphamp.module import AmpModule
 from graphamp.graph_picture import render_svg
 from graphamp.recording import DtypeRecorder
@@ -65,10 +65,6 @@ def export(amp_model: AmpModule, out_dir) -> Path:
     (out / "report.html").write_text(page, encoding="utf-8")
     (out / "diff.txt").write_text(graph_diff(captured.original_code, captured.graph_module, summary), encoding="utf-8")
     return out
-
-
-def dtype_name(dtype: torch.dtype | None) -> str | None:
-    return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
 def sub_graphs(graph_module: GraphModule, path: tuple = ()) -> list[tuple[tuple, GraphModule]]:

@@ -44,6 +44,11 @@ def resolve_dtype(dtype) -> torch.dtype:
     raise ValueError(f"dtype={dtype!r} is not a low-precision float: use 'float16' or 'bfloat16'.")
 
 
+def dtype_name(dtype: torch.dtype | None) -> str | None:
+    """torch.bfloat16 -> 'bfloat16', the name users write."""
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
 @dataclass(frozen=True)
 class ListEntry:
     """One effective list entry: the op (or module pattern), its color and where it came from."""
@@ -219,7 +224,7 @@ class AutoMixedPrecisionLists:
     # -- queries -------------------------------------------------------------------------------------------
     @property
     def dtype_name(self) -> str:
-        return str(self.dtype).removeprefix("torch.")
+        return dtype_name(self.dtype)
 
     def entries(self, color: str | None = None) -> list[ListEntry]:
         """The effective op entries, sorted by name; only those of `color` when given."""

@@ -18,7 +18,7 @@ from torch import nn
 from graphamp.capture import Captured, capture
 from graphamp.cast_pass import RewriteReport, check_level, insert_casts
 from graphamp.compiled import CompiledGraph
-from graphamp.lists import HALF_DTYPES, AutoMixedPrecisionLists
+from graphamp.lists import HALF_DTYPES, AutoMixedPrecisionLists, dtype_name
 from graphamp.progress import Progress
 
 DEFAULT_MAX_CAPTURES = 8
@@ -211,7 +211,7 @@ def _check_master_weights(model: nn.Module) -> None:
     for name, parameter in model.named_parameters():
         if parameter.dtype in HALF_DTYPES:
             raise ValueError(
-                f"parameter '{name}' is {str(parameter.dtype).removeprefix('torch.')}: graphamp keeps FP32 master "
+                f"parameter '{name}' is {dtype_name(parameter.dtype)}: graphamp keeps FP32 master "
                 f"weights and casts inside the graph. Keep the model in float32 (drop .half()/.to(dtype)) and rewrite it."
             )
 

@@ -8,7 +8,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from graphamp.errors import LossScalingError
-from graphamp.lists import HALF_DTYPES, resolve_dtype
+from graphamp.lists import HALF_DTYPES, dtype_name, resolve_dtype
 from graphamp.scaling import LossScaler
 
 
@@ -347,7 +347,7 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
             for i, param in enumerate(group["params"]):
                 if param.grad is not None and param.grad.dtype in HALF_DTYPES:
                     where = repr(names[i]) if names else f"#{i} of param group {g} (shape {tuple(param.shape)})"
-                    dtype = str(param.grad.dtype).removeprefix("torch.")
+                    dtype = dtype_name(param.grad.dtype)
                     raise LossScalingError(
                         f"parameter {where} has a {dtype} gradient: the model was cast to half precision, so there "
                         "are no FP32 master weights. Keep the model in float32 and use graphamp.rewrite(model, ...) "

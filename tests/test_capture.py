@@ -24,6 +24,7 @@ from models import (
     token_batch,
 )
 from graphamp.recording import DtypeRecorder
+from training import relative_error
 
 # bfloat16 keeps 8 bits of mantissa: ~2^-8 = 4e-3 relative error per rounding. Measured in these tests: 1.5e-3 to
 # 5.2e-3 (GPT-2 3.6e-3 to 3.8e-3, BERT 4.8e-3, SmallResNet 3.8e-3 to 4.8e-3, Linear in NestedOutputs 5.2e-3); 4x margin.
@@ -44,10 +45,6 @@ def bf16():
 def seeded():
     """Every test draws the same weights, inputs and dropout masks on every run."""
     torch.manual_seed(0)
-
-
-def relative_error(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def loss_of(out):

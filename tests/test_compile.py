@@ -12,16 +12,12 @@ from torch import nn
 
 import graphamp
 import models
+from training import relative_error
 from graphamp import AutoMixedPrecisionLists
 from graphamp.compiled import BACKWARD_PHASE, FORWARD_PHASE
 from graphamp.module import CAPTURE_PHASE, CAST_PASS_PHASE
 
 BF16 = AutoMixedPrecisionLists(dtype="bfloat16")
-
-
-def relative_error(a, b):
-    a, b = a.detach().double(), b.detach().double()
-    return ((a - b).norm() / b.norm()).item()
 
 
 class BodyAndHead(nn.Module):

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import graphamp
 from models import LSTMClassifier, SmallResNet, bert, digits, gpt2, token_batch
 from graphamp.recording import DtypeRecorder
-from training import mean_loss_of_first_and_last_epoch
+from training import mean_loss_of_first_and_last_epoch, relative_error
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -39,11 +39,6 @@ TRAINING_LOSS_RTOL = 5e-3
 def fp32_without_tf32(monkeypatch):
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-
-
-def relative_error(a, b):
-    a, b = torch.as_tensor(a).detach().double(), torch.as_tensor(b).detach().double()
-    return ((a - b).norm() / b.norm()).item()
 
 
 def hf_loss(out, _):

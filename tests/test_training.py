@@ -24,7 +24,7 @@ from models import (
     gpt2,
     token_batch,
 )
-from training import mean_loss_of_first_and_last_epoch
+from training import mean_loss_of_first_and_last_epoch, relative_error
 
 # Measured on this CPU (torch 2.13) at the seeds the tests use, with the worst of 5 seeds (of the weights) in
 # brackets; tolerances are 2x-5x the worst measured value.
@@ -62,11 +62,6 @@ FP16_ROUNDING_FLOOR = 1e-4
 TRAINING_STEPS = 8
 BF16_TRAINING_LOSS_RTOL = 5e-3
 FP16_TRAINING_LOSS_RTOL = 1e-3
-
-
-def relative_error(a, b):
-    a, b = torch.as_tensor(a).detach().double(), torch.as_tensor(b).detach().double()
-    return ((a - b).norm() / b.norm()).item()
 
 
 def gradients(model):

@@ -1,8 +1,14 @@
-"""The few-step training loop the training tests share (CPU and CUDA)."""
+"""What the training and numerics tests share (CPU and CUDA): a few-step training loop, relative error."""
 
 from __future__ import annotations
 
 import torch
+
+
+def relative_error(a, b) -> float:
+    """||a - b|| / ||b|| in float64, for tensors or numbers."""
+    a, b = torch.as_tensor(a).detach().double(), torch.as_tensor(b).detach().double()
+    return ((a - b).norm() / b.norm()).item()
 
 
 def mean_loss_of_first_and_last_epoch(net, optimizer, batches, loss_fn, steps: int) -> tuple[float, float]:
