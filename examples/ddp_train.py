@@ -168,6 +168,7 @@ def main():
     if rank == 0:
         test_images, test_labels = test_data
         print(f"test accuracy {accuracy(amp_model, (test_images.to(device), test_labels.to(device))):.3f}", flush=True)
+    dist.barrier()  # rank 1 must not tear down gloo while rank 0 is still evaluating: that can hang rank 0's exit
     dist.destroy_process_group()
 
 

@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -298,14 +299,20 @@ def torchrun_example(*args: str) -> list[str]:
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPOSITORY), os.environ.get("PYTHONPATH", "")])}
     env["CUDA_VISIBLE_DEVICES"] = ""  # gloo on CPU, also on a GPU machine
-    launcher = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
-    )
-    try:
-        output, _ = launcher.communicate(timeout=JOB_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(launcher.pid, signal.SIGKILL)
-        output, _ = launcher.communicate()
+    # Output goes to a file, not a pipe: a worker torchrun leaves behind (its own session) keeps a pipe open
+    # and would block reading it; the launcher's exit is what the test waits for, bounded.
+    with tempfile.TemporaryFile("w+") as log:
+        launcher = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+        )
+        try:
+            launcher.wait(timeout=JOB_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait()
+        log.seek(0)
+        output = log.read()
+    if launcher.returncode == -signal.SIGKILL:
         pytest.fail(f"torchrun did not finish within {JOB_TIMEOUT_S} s:\n{output}")
     assert launcher.returncode == 0, output
     return [line for line in output.splitlines() if line.startswith("step ")]
