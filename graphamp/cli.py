@@ -1,4 +1,5 @@
-"""The `graphamp` command: look at the lists, check a lists folder, export a model's rewritten graph.
+"""The `graphamp` command: look at the lists, check a lists folder, export a model's rewritten graph, and
+diagnose its numerics (doctor).
 
 Each subcommand is one `_add_<name>(subcommands)` function that declares its arguments and the function
 that runs it; `main` lists them. Exit status: 0 done, 1 the work failed (the message says why), 2 usage.
@@ -12,10 +13,13 @@ import importlib
 import os
 import sys
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 from torch import nn
 
+from graphamp.auto_lists import auto_mixed_precision
+from graphamp.doctor import doctor, format_report
 from graphamp.errors import GraphampError, ListFileError
 from graphamp.export import FILES, export
 from graphamp.lists import COLORS, AutoMixedPrecisionLists
@@ -28,13 +32,15 @@ LIST_FILES = tuple(f"{color}.txt" for color in COLORS) + ("black_modules.txt",)
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="graphamp",
-        description="Static-graph automatic mixed precision for PyTorch: inspect the op lists and rewritten graphs.",
+        description="Static-graph automatic mixed precision for PyTorch: inspect the op lists and rewritten graphs, "
+        "and diagnose a model's numerics.",
         epilog="Run `graphamp COMMAND --help` for what each command does, with an example.",
     )
     subcommands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_lists(subcommands)
     _add_check_lists(subcommands)
     _add_export(subcommands)
+    _add_doctor(subcommands)
     args = parser.parse_args(argv)
     try:
         return args.run(args, parser)
@@ -130,30 +136,95 @@ def _add_export(subcommands) -> None:
         "graph.py, graph.json, graph.svg, report.html and diff.txt to the --out folder.",
         "graphamp export my_models:tiny_gpt2 --out gpt2_amp --dtype bfloat16",
     )
-    command.add_argument("factory", metavar="MODULE:FACTORY", help="e.g. my_models:tiny_gpt2")
+    _add_model_arguments(command)
     command.add_argument("--out", metavar="DIR", required=True, help="the folder to write (created if missing)")
+    command.set_defaults(run=_export)
+
+
+def _export(args, parser) -> int:
+    model, example_args, example_kwargs = _factory_call(args, parser)
+    lists = AutoMixedPrecisionLists(dtype=args.dtype, lists_dir=args.lists)
+    with _checks_named(args.factory):
+        amp_model = rewrite(model, example_args, example_kwargs, amp_lists=lists, level=args.level)
+    out = export(amp_model, args.out)
+    print(amp_model.report)
+    print(f"wrote {out}/: {' '.join(FILES)}")
+    return 0
+
+
+# -- graphamp doctor -------------------------------------------------------------------------------------------
+
+def _add_doctor(subcommands) -> None:
+    command = _subcommand(
+        subcommands, "doctor",
+        "find the op that overflows, measure each op against FP32, and suggest list edits",
+        "Runs FACTORY()'s model forward and backward in FP32 and rewritten, node by node on the same inputs.\n"
+        "Prints the first op that gives inf/NaN, the top offenders (overflow in the low dtype, error against FP32)\n"
+        "and the suggested list edits, each fix verified by a rerun; writes report.json and report.html (a plot\n"
+        "of per-node error and range) to --out. --apply DIR writes the lists with the suggestions applied;\n"
+        "--auto TOL searches the lists that run the most ops low with the loss within TOL and writes them.",
+        "graphamp doctor my_models:tiny_gpt2 --dtype float16 --out doctor_out --apply my_lists",
+    )
+    _add_model_arguments(command)
+    command.add_argument("--out", metavar="DIR", default="graphamp_doctor",
+                         help="the report folder (default graphamp_doctor)")
+    command.add_argument("--steps", type=int, default=1, help="runs to measure, the worst kept (default 1)")
+    command.add_argument("--loss-scaling", type=float, default=1.0, metavar="S",
+                         help="multiply the loss by S before backward, as a loss scaler would (default 1)")
+    command.add_argument("--top", type=int, default=10, metavar="N", help="offenders to print (default 10)")
+    command.add_argument("--apply", metavar="DIR", help="write a lists folder with the suggested fixes applied")
+    command.add_argument("--speedups", action="store_true", help="with --apply: also move the white candidates")
+    command.add_argument("--auto", type=float, metavar="TOL",
+                         help="search lists with the loss's relative error within TOL; written to OUT/auto_lists")
+    command.set_defaults(run=_doctor)
+
+
+def _doctor(args, parser) -> int:
+    model, example_args, example_kwargs = _factory_call(args, parser)
+    lists = AutoMixedPrecisionLists(dtype=args.dtype, lists_dir=args.lists)
+    with _checks_named(args.factory):
+        report = doctor(model, example_args, example_kwargs, lists, args.steps, args.level,
+                        loss_scaling=args.loss_scaling)
+    print(format_report(report, args.top))
+    out = report.write(args.out)
+    print(f"\nwrote {out}/: report.json report.html")
+    if args.apply:
+        print(f"wrote {report.apply(args.apply, speedups=args.speedups)}/: the lists with the suggestions applied")
+    if args.auto is not None:
+        with _checks_named(args.factory):
+            found = auto_mixed_precision(model, example_args, example_kwargs, args.auto, lists, args.level)
+        print(f"\n{found}")
+        print(f"wrote {found.write(out / 'auto_lists', overwrite=True)}/: the lists found")
+    return 0
+
+
+# -- shared by export and doctor -------------------------------------------------------------------------------
+
+def _add_model_arguments(command) -> None:
+    command.add_argument("factory", metavar="MODULE:FACTORY", help="e.g. my_models:tiny_gpt2")
     command.add_argument("--lists", metavar="DIR", help="a lists folder replacing the shipped lists/")
     command.add_argument("--dtype", choices=DTYPES, default="float16", help="the low-precision dtype (default float16)")
     command.add_argument(
         "--level", choices=("O1", "O2"), default="O1", help="O1: lists decide (default); O2: all but black ops run low"
     )
-    command.set_defaults(run=_export)
 
 
-def _export(args, parser) -> int:
+@contextmanager
+def _checks_named(factory: str):
+    """rewrite()'s and doctor()'s own checks (FP16 parameters, ...) say the fix already: name the factory."""
+    try:
+        yield
+    except (TypeError, ValueError) as error:
+        if isinstance(error, GraphampError):
+            raise
+        raise GraphampError(f"{factory}: {error}") from error
+
+
+def _factory_call(args, parser):
     module_name, _, factory_name = args.factory.partition(":")
     if not module_name or not factory_name.isidentifier():
         parser.error(f"MODULE:FACTORY expected, got {args.factory!r} (for example my_models:tiny_gpt2)")
-    model, example_args, example_kwargs = _call_factory(module_name, factory_name)
-    lists = AutoMixedPrecisionLists(dtype=args.dtype, lists_dir=args.lists)
-    try:
-        amp_model = rewrite(model, example_args, example_kwargs, amp_lists=lists, level=args.level)
-    except (TypeError, ValueError) as error:  # rewrite's own checks (FP16 parameters, ...) say the fix already
-        raise GraphampError(f"{args.factory}: {error}") from error
-    out = export(amp_model, args.out)
-    print(amp_model.report)
-    print(f"wrote {out}/: {' '.join(FILES)}")
-    return 0
+    return _call_factory(module_name, factory_name)
 
 
 def _call_factory(module_name: str, factory_name: str):

@@ -165,10 +165,14 @@ class AutoMixedPrecisionLists:
             raise ListFileError(f"{self.lists_dir}: lists_dir is not a folder of white.txt/black.txt/gray.txt.")
         self._entries: dict[str, ListEntry] = {}
         self._read_default_files()
-        self._apply_custom_lists(
-            {WHITE: custom_white_list, BLACK: custom_black_list, GRAY: custom_gray_list}
-        )
+        # Kept as given (canonical names), so that with_changes() and the list writer can build on them.
+        self.custom_lists = {
+            color: tuple(canonical_op_name(op) for op in _as_names(ops, f"custom_{color}_list"))
+            for color, ops in ((WHITE, custom_white_list), (BLACK, custom_black_list), (GRAY, custom_gray_list))
+        }
+        self._apply_custom_lists(self.custom_lists)
         self.black_modules = self._read_black_modules(custom_black_modules)
+        self.custom_black_modules = tuple(_as_names(custom_black_modules, "custom_black_modules"))
 
     # -- reading -------------------------------------------------------------------------------------------
     def _display(self, path: Path) -> str:
@@ -193,11 +197,10 @@ class AutoMixedPrecisionLists:
                     )
                 self._entries[name] = ListEntry(name, color, where)
 
-    def _apply_custom_lists(self, custom: dict[str, object]) -> None:
+    def _apply_custom_lists(self, custom: dict[str, tuple[str, ...]]) -> None:
         owners: dict[str, str] = {}
-        for color, ops in custom.items():
-            for op in _as_names(ops, f"custom_{color}_list"):
-                name = canonical_op_name(op)
+        for color, names in custom.items():
+            for name in names:
                 if name in owners and owners[name] != color:
                     raise ValueError(
                         f"op '{name}' is in both custom_{owners[name]}_list and custom_{color}_list; "
@@ -220,6 +223,20 @@ class AutoMixedPrecisionLists:
         for pattern in _as_names(custom_black_modules, "custom_black_modules"):
             patterns.append(ListEntry(pattern, BLACK, f"custom_black_modules: {pattern}"))
         return tuple(patterns)
+
+    def with_changes(self, white=(), black=(), black_modules=()) -> AutoMixedPrecisionLists:
+        """These lists with more custom entries: `white`/`black` ops (taken off any other custom list) and
+        `black_modules` patterns, for the same dtype and lists folder."""
+        moved = {canonical_op_name(op) for op in (*white, *black)}
+        custom = {color: [op for op in ops if op not in moved] for color, ops in self.custom_lists.items()}
+        return AutoMixedPrecisionLists(
+            custom_white_list=custom[WHITE] + list(white),
+            custom_black_list=custom[BLACK] + list(black),
+            custom_gray_list=custom[GRAY],
+            custom_black_modules=[*self.custom_black_modules, *black_modules],
+            dtype=self.dtype,
+            lists_dir=self.lists_dir,
+        )
 
     # -- queries -------------------------------------------------------------------------------------------
     @property

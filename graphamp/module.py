@@ -102,7 +102,7 @@ class AmpModule(nn.Module):
     def _captured_for(self, args: tuple, kwargs: dict) -> tuple[Captured, list]:
         kwargs = dict(sorted(kwargs.items()))  # one capture whatever order keywords are passed in
         flat_inputs, spec = pytree.tree_flatten((args, kwargs))
-        key = (self.training, spec, tuple(_leaf_signature(x) for x in flat_inputs), _device_of(self._original))
+        key = (self.training, spec, tuple(_leaf_signature(x) for x in flat_inputs), device_of(self._original))
         captured = self._captures.get(key)
         if captured is None:
             captured = self._capture(args, kwargs)
@@ -124,14 +124,10 @@ class AmpModule(nn.Module):
         timings = {}
         with self.progress.phase(CAPTURE_PHASE, timings):
             captured = capture(self._original, args, kwargs)
-        keep_fp32 = frozenset()
-        if self.level == "O2":
-            keep_fp32 = frozenset(
-                name for name, fqn in captured.parameter_placeholders.items() if _is_norm_parameter(self._original, fqn)
-            )
         with self.progress.phase(CAST_PASS_PHASE, timings):
             captured.report = insert_casts(
-                captured.graph_module, self.amp_lists, self.level, self.fp32_outputs, keep_fp32
+                captured.graph_module, self.amp_lists, self.level, self.fp32_outputs,
+                fp32_placeholders(self._original, captured, self.level),
             )
         captured.timings = timings
         captured.run = (
@@ -180,8 +176,8 @@ def rewrite(
         raise TypeError(f"rewrite() takes an nn.Module, got {type(model).__name__}.")
     check_level(level)
     amp_lists = amp_lists if amp_lists is not None else AutoMixedPrecisionLists()
-    _check_master_weights(model)
-    _check_dtype_runs_on(_device_of(model), amp_lists.dtype, compile)
+    check_master_weights(model)
+    check_dtype_runs_on(device_of(model), amp_lists.dtype, compile)
     if not isinstance(example_args, tuple):
         example_args = (example_args,)
     amp_model = AmpModule(model, amp_lists, level, compile, fp32_outputs, max_captures, progress)
@@ -195,9 +191,18 @@ def _leaf_signature(value) -> Hashable:
     return (type(value), value) if isinstance(value, Hashable) else (type(value), id(value))
 
 
-def _device_of(model: nn.Module):
+def device_of(model: nn.Module):
     parameter = next(model.parameters(), None)
     return parameter.device if parameter is not None else None
+
+
+def fp32_placeholders(model: nn.Module, captured: Captured, level: str) -> frozenset[str]:
+    """The parameter placeholders the cast pass never casts down: normalization parameters under O2."""
+    if level != "O2":
+        return frozenset()
+    return frozenset(
+        name for name, fqn in captured.parameter_placeholders.items() if _is_norm_parameter(model, fqn)
+    )
 
 
 def _is_norm_parameter(model: nn.Module, fqn: str) -> bool:
@@ -207,7 +212,7 @@ def _is_norm_parameter(model: nn.Module, fqn: str) -> bool:
     return isinstance(owner, norm_types) or "Norm" in type(owner).__name__
 
 
-def _check_master_weights(model: nn.Module) -> None:
+def check_master_weights(model: nn.Module) -> None:
     for name, parameter in model.named_parameters():
         if parameter.dtype in HALF_DTYPES:
             raise ValueError(
@@ -216,7 +221,7 @@ def _check_master_weights(model: nn.Module) -> None:
             )
 
 
-def _check_dtype_runs_on(device: torch.device | None, dtype: torch.dtype, compile: bool) -> None:
+def check_dtype_runs_on(device: torch.device | None, dtype: torch.dtype, compile: bool) -> None:
     """A dtype the device cannot run is an error now, not a crash deep inside a kernel."""
     if device is None:
         return

@@ -154,3 +154,40 @@ def digits(n=256):
     data = load_digits()
     images = torch.tensor(data.images[:n], dtype=torch.float32).unsqueeze(1) / 16.0
     return images, torch.tensor(data.target[:n])
+
+
+class PooledSum(nn.Module):
+    """A learned sum over a long sequence (a linear layer over 256 positions, weights starting at 1): on inputs
+    around 300, `pool`'s output passes float16's max (65504) though every value it adds fits."""
+
+    def __init__(self, features=16, length=256, classes=4):
+        super().__init__()
+        self.proj = nn.Linear(features, features)
+        self.pool = nn.Linear(length, 1, bias=False)
+        nn.init.ones_(self.pool.weight)
+        self.norm = nn.LayerNorm(features)
+        self.head = nn.Linear(features, classes)
+
+    def forward(self, x, target):
+        pooled = self.pool(self.proj(x).transpose(1, 2)).squeeze(-1)
+        return F.cross_entropy(self.head(self.norm(pooled)), target)
+
+
+class SquaredEnergy(nn.Module):
+    """`h * h` is gray: it follows its float16 input and, for |h| past 256, overflows float16."""
+
+    def __init__(self, features=16, classes=4):
+        super().__init__()
+        self.proj = nn.Linear(features, features)
+        self.head = nn.Linear(features, classes)
+
+    def forward(self, x, target):
+        h = self.proj(x)
+        energy = h * h
+        return F.cross_entropy(self.head(energy / energy.mean(-1, keepdim=True)), target)
+
+
+def large_inputs(*shape, classes=4, seed=0):
+    """(inputs around 300, class targets): unnormalised data, the usual way into float16's range limits."""
+    generator = torch.Generator().manual_seed(seed)
+    return 300 + 30 * torch.randn(*shape, generator=generator), torch.randint(0, classes, shape[:1], generator=generator)

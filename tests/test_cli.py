@@ -10,6 +10,7 @@ import pytest
 
 from graphamp import AutoMixedPrecisionLists
 from graphamp.cli import main
+from graphamp.lists import default_lists_dir
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -221,9 +222,70 @@ def test_export_passes_on_what_rewrite_rejects(factory_module, capsys):
     assert capsys.readouterr().err.startswith("error: half:make: parameter 'weight' is float16: graphamp keeps FP32")
 
 
+# -- graphamp doctor -------------------------------------------------------------------------------------------
+
+POOLED_SUM_FACTORY = """
+from models import PooledSum, large_inputs
+import torch
+
+def pooled_sum():
+    torch.manual_seed(0)
+    return PooledSum(), large_inputs(8, 256, 16)
+"""
+
+
+def no_constants(name):
+    raise AssertionError(f"report.json holds {name}, which strict JSON parsers reject")
+
+
+def test_doctor_prints_the_culprit_and_writes_the_report_and_the_fixed_lists(factory_module, tmp_path, capsys):
+    module = factory_module("pooled_factory", POOLED_SUM_FACTORY)
+
+    assert main(["doctor", f"{module}:pooled_sum", "--out", "out", "--apply", "fixed", "--top", "3"]) == 0
+
+    out = capsys.readouterr().out
+    assert "first inf/NaN (forward): linear_1 = linear.default in pool" in out
+    assert "top 3 offenders:" in out
+    assert "module `pool` → custom_black_modules" in out
+    report = json.loads((tmp_path / "out" / "report.json").read_text(), parse_constant=no_constants)
+    assert report["first_nonfinite"]["module"] == "pool" and report["loss"]["amp"] == "nan"
+    assert "<svg" in (tmp_path / "out" / "report.html").read_text()
+    fixed = AutoMixedPrecisionLists(dtype="float16", lists_dir=tmp_path / "fixed")
+    assert [p.name for p in fixed.black_modules] == ["pool"]
+
+
+def test_doctor_auto_writes_the_lists_it_found(factory_module, tmp_path, capsys):
+    module = factory_module("gpt2_factory", GPT2_FACTORY)
+
+    assert main(["doctor", f"{module}:tiny_gpt2", "--dtype", "bfloat16", "--out", "out", "--auto", "1e-3"]) == 0
+
+    out = capsys.readouterr().out
+    assert "graphamp auto lists (bfloat16, tolerance 0.001" in out
+    found = AutoMixedPrecisionLists(dtype="bfloat16", lists_dir=tmp_path / "out" / "auto_lists")
+    assert found.entries()
+
+
+def test_doctor_passes_on_what_it_rejects(factory_module, capsys):
+    module = factory_module("half", (
+        "import torch\n\ndef make():\n    return torch.nn.Linear(2, 2).half(), torch.ones(2)\n"
+    ))
+
+    assert main(["doctor", f"{module}:make"]) == 1
+
+    assert capsys.readouterr().err.startswith("error: half:make: parameter 'weight' is float16: graphamp keeps FP32")
+
+
+def test_doctor_will_not_write_over_the_shipped_lists(factory_module, capsys):
+    module = factory_module("pooled_factory", POOLED_SUM_FACTORY)
+
+    assert main(["doctor", f"{module}:pooled_sum", "--apply", str(default_lists_dir())]) == 1
+
+    assert str(default_lists_dir()) in capsys.readouterr().err
+
+
 # -- help and installation -------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("command", ["lists", "check-lists", "export"])
+@pytest.mark.parametrize("command", ["lists", "check-lists", "export", "doctor"])
 def test_help_of_each_command_says_what_it_does_with_an_example(command, capsys):
     with pytest.raises(SystemExit) as exit_:
         main([command, "--help"])

@@ -1,0 +1,145 @@
+"""auto_mixed_precision(): the most ops that can run low while the loss (or outputs) stays within a tolerance.
+
+In the spirit of onnxconverter-common's auto_convert_mixed_precision, at the granularity of list entries:
+every list entry of the graph's ops is a candidate to run low (black entries move to white) or to stay FP32
+(black). The doctor's measurements order the entries by how much running them low costs; a binary search
+finds the shortest prefix of that order that must stay black, then each of those is tried low again, cheapest
+first, and kept low if the tolerance still holds. Each try is one forward of the rewritten graph.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from torch import nn
+
+from graphamp.cast_pass import check_level
+from graphamp.list_writer import write_lists
+from graphamp.lists import BLACK, WHITE, AutoMixedPrecisionLists, dtype_name
+from graphamp.probe import NodeNumerics, Probe
+
+_DECIDED = (WHITE, BLACK, "gray", "unlisted")
+
+
+@dataclass
+class AutoListsResult:
+    """The lists found, what they measure, and how they differ from the lists the search started from."""
+
+    amp_lists: AutoMixedPrecisionLists
+    tolerance: float
+    error: float  # the loss's (or outputs') relative error with amp_lists
+    start_error: float  # ... with the lists the search started from
+    moved_to_white: list[str]
+    moved_to_black: list[str]
+    low_nodes: int  # op nodes that run in the low dtype with amp_lists
+    start_low_nodes: int
+    op_nodes: int
+    evaluations: int
+    reasons: dict[str, str] = field(default_factory=dict)  # entry -> the measurement behind its move
+    start_lists: AutoMixedPrecisionLists | None = None
+
+    def write(self, folder, overwrite: bool = False) -> Path:
+        """The lists as a folder to pass as `AutoMixedPrecisionLists(lists_dir=...)`; never the shipped one."""
+        changes = {entry: (WHITE, self.reasons[entry]) for entry in self.moved_to_white}
+        changes.update({entry: (BLACK, self.reasons[entry]) for entry in self.moved_to_black})
+        return write_lists(folder, self.start_lists, changes, overwrite=overwrite)
+
+    def __str__(self) -> str:
+        low = dtype_name(self.amp_lists.dtype)
+        return "\n".join([
+            f"graphamp auto lists ({low}, tolerance {self.tolerance:.3g}, {self.evaluations} runs):",
+            f"  error {self.error:.3g} (the lists given: {self.start_error:.3g})",
+            f"  op nodes running in {low}: {self.low_nodes} of {self.op_nodes} (the lists given: {self.start_low_nodes})",
+            f"  moved to white: {', '.join(self.moved_to_white) or '-'}",
+            f"  moved to black: {', '.join(self.moved_to_black) or '-'}",
+        ])
+
+
+def auto_mixed_precision(
+    model: nn.Module,
+    example_args=(),
+    example_kwargs=None,
+    tolerance: float = 1e-2,
+    amp_lists: AutoMixedPrecisionLists | None = None,
+    level: str = "O1",
+    loss_fn=None,
+) -> AutoListsResult:
+    """Lists that run as many ops low as the tolerance allows on this model and input.
+
+    tolerance: the largest relative error of the loss against FP32 (of the floating outputs when the model
+    returns no scalar loss), measured forward on the example inputs.
+    amp_lists: where the search starts, and the dtype (default: the shipped lists, float16).
+    """
+    check_level(level)
+    if not (isinstance(tolerance, (int, float)) and tolerance > 0):
+        raise ValueError(f"tolerance={tolerance!r}: pass a positive relative error, e.g. 1e-2.")
+    start = amp_lists if amp_lists is not None else AutoMixedPrecisionLists()
+    if not isinstance(example_args, tuple):
+        example_args = (example_args,)
+    probe = Probe(model, example_args, example_kwargs, start.dtype, level, loss_fn)
+    reference = probe.reference(seed=0, backward=False)
+    measured = probe.compare(start, reference, backward=False)
+    colors = {e.name: e.color for e in start.entries()}
+    # Entries that can run low, most costly first; ops with no low-precision kernel keep their list.
+    cost = _cost_of_running_low(measured.nodes, start)
+    candidates = sorted(cost, key=lambda entry: (-cost[entry], entry))
+    evaluations = 0
+
+    def lists_for(black: set[str]) -> AutoMixedPrecisionLists:
+        white = [e for e in candidates if e not in black and colors.get(e) == BLACK]
+        return start.with_changes(white=white, black=[e for e in candidates if e in black and colors.get(e) != BLACK])
+
+    def within(black: set[str]) -> bool:
+        nonlocal evaluations
+        evaluations += 1
+        return probe.output_error(lists_for(black), reference) <= tolerance
+
+    # The shortest prefix of the costliest entries that must stay black (all black is FP32: it holds).
+    low, high = 0, len(candidates)
+    while low < high:
+        middle = (low + high) // 2
+        if within(set(candidates[:middle])):
+            high = middle
+        else:
+            low = middle + 1
+    black = set(candidates[:low])
+    for entry in sorted(black, key=lambda e: (cost[e], e)):  # cheapest first: try each low again
+        if within(black - {entry}):
+            black.discard(entry)
+
+    found = lists_for(black)
+    final = probe.compare(found, reference, backward=False)
+    low_dtype = dtype_name(start.dtype)
+    reasons = {entry: f"auto: low-precision error {cost[entry]:.3g}; loss within {tolerance:.3g}" for entry in cost}
+    return AutoListsResult(
+        amp_lists=found,
+        tolerance=tolerance,
+        error=probe.output_error(found, reference),
+        start_error=probe.output_error(start, reference),
+        moved_to_white=sorted(e for e in candidates if e not in black and colors.get(e) == BLACK),
+        moved_to_black=sorted(e for e in candidates if e in black and colors.get(e) != BLACK),
+        low_nodes=sum(r.runs_in == low_dtype for r in final.nodes),
+        start_low_nodes=sum(r.runs_in == low_dtype for r in measured.nodes),
+        op_nodes=len(measured.nodes),
+        evaluations=evaluations,
+        reasons=reasons,
+        start_lists=start,
+    )
+
+
+def _cost_of_running_low(nodes: list[NodeNumerics], amp_lists: AutoMixedPrecisionLists) -> dict[str, float]:
+    """Per list entry, the worst error of its ops run low (inf where values overflow); entries whose ops
+    cannot run low are left out."""
+    cost: dict[str, float] = {}
+    for record in nodes:
+        if record.decision not in _DECIDED or record.runs_in is None:
+            continue
+        if record.low_error is None:
+            cost[record.entry] = math.nan  # marks the entry as unable to run low
+            continue
+        worst = math.inf if record.overflow > 0 or record.nonfinite else record.low_error
+        if not math.isnan(cost.get(record.entry, 0.0)):
+            cost[record.entry] = max(cost.get(record.entry, 0.0), worst)
+    return {entry: value for entry, value in cost.items() if not math.isnan(value)}

@@ -1,0 +1,222 @@
+"""The doctor's report.html: one self-contained page (no network, no script) showing a `graphamp doctor` report.
+
+The verdict, the suggested list changes, the worst nodes, a plot of per-node error and range, the parameter
+gradients and every node, in that order.
+"""
+
+from __future__ import annotations
+
+import math
+
+from graphamp.report_page import _STYLE, _e
+
+_PAGE_STYLE = _STYLE + "tr.bad td { background: #fde0e0; } .ok { color: #2a7a2a; } .unsure { color: #a06000; }\n"
+_W, _H, _LEFT, _RIGHT, _TOP, _BOTTOM = 1000, 360, 60, 160, 20, 40  # the right margin holds the legend
+_ERROR, _RANGE, _BAD = "#1f77b4", "#ff7f0e", "#d62728"
+_HALO = 'stroke="white" stroke-width="3" paint-order="stroke"'  # keeps a label readable over thousands of points
+_NUMERIC = {"index", "max_abs", "overflow", "underflow", "error", "local_error", "low_error", "grad_error"}
+_OFFENDER_COLUMNS = [
+    ("node", "name"), ("op", "op"), ("module", "module"), ("decision", "decision"), ("runs in", "runs_in"),
+    ("max |x|", "max_abs"), ("overflow %", "overflow"), ("underflow %", "underflow"), ("error", "error"),
+    ("local error", "local_error"), ("grad error", "grad_error"),
+]
+_NODE_COLUMNS = (
+    [("#", "index")] + _OFFENDER_COLUMNS[:4] + [("source", "source")] + _OFFENDER_COLUMNS[4:10]
+    + [("low error", "low_error")] + _OFFENDER_COLUMNS[10:]
+)
+
+
+def render_doctor_page(report: dict) -> str:
+    """report.html's text."""
+    title = f"{report['model']} · {report['dtype']} · {report['level']}"
+    sections = [
+        f"<h1>graphamp doctor: {_e(title)}</h1>",
+        _verdict(report),
+        _suggestions_section(report.get("suggestions") or []),
+        "<h2>Top offenders</h2>\n" + _node_table(report.get("top_offenders") or [], _OFFENDER_COLUMNS),
+        _plot_section(report),
+        _parameters_section(report.get("parameters") or []),
+        "<h2>All nodes</h2>\n" + _node_table(report.get("nodes") or [], _NODE_COLUMNS),
+    ]
+    return (
+        f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n<title>graphamp doctor: {_e(title)}'
+        f"</title>\n<style>{_PAGE_STYLE}</style>\n</head>\n<body>\n" + "\n".join(sections) + "\n</body>\n</html>\n"
+    )
+
+
+def _verdict(report: dict) -> str:
+    dtype, first, grad = report["dtype"], report.get("first_nonfinite"), report.get("first_nonfinite_grad")
+    if first:
+        said = [
+            f"<b>Not finite.</b> The first node whose {_e(dtype)} output is inf/NaN is {_where(first)}: its FP32 "
+            f"max |x| is {_num(first.get('max_abs_fp32'))} against the {_e(dtype)} max {_num(report.get('dtype_max'))}."
+        ]
+    else:
+        said = [f"<b>Finite.</b> Every node's {_e(dtype)} output is finite."]
+    if grad:
+        said.append(f"The first node whose output gradient is inf/NaN (backward order) is {_where(grad)}.")
+    else:
+        said.append("Every gradient compared is finite." if report.get("backward") else "Gradients were not compared.")
+    if (loss := report.get("loss")) is not None:
+        said.append(f"Loss: FP32 {_num(loss.get('fp32'))}, {_e(dtype)} {_num(loss.get('amp'))}, "
+                    f"relative error {_num(loss.get('relative_error'))}.")
+    said.append(f"Relative error of the outputs vs FP32: {_num(report.get('output_error'))} "
+                f"(worst of {_e(report.get('steps', 1))} step(s)).")
+    return '<p class="verdict">' + " ".join(said) + "</p>"
+
+
+def _where(record: dict) -> str:
+    return (f"<code>{_e(record.get('node'))}</code> (<code>{_e(record.get('op'))}</code> in module "
+            f"<code>{_e(record.get('module') or '(top level)')}</code>)")
+
+
+def _suggestions_section(suggestions: list) -> str:
+    if not suggestions:
+        return "<h2>Suggestions</h2>\n<p>None: no list change is suggested.</p>"
+    marks = {True: '<span class="ok" title="a rerun with it applied is finite">(verified)</span>',
+             False: '<span class="unsure">(not verified)</span>'}
+    items = "\n".join(f"<li>{_e(s['text'])} {marks[bool(s.get('verified'))]}</li>" for s in suggestions)
+    return f"<h2>Suggestions</h2>\n<ul>\n{items}\n</ul>"
+
+
+def _node_table(nodes: list, columns: list) -> str:
+    if not nodes:
+        return "<p>None: no nodes were measured.</p>"
+    head = "".join(f"<th>{_e(header)}</th>" for header, _ in columns)
+    rows = "\n".join(
+        ("<tr class=bad>" if node.get("nonfinite") or node.get("grad_nonfinite") else "<tr>")
+        + "".join(_cell(key, node.get(key)) for _, key in columns) + "</tr>"
+        for node in nodes
+    )
+    return f"<table>\n<tr>{head}</tr>\n{rows}\n</table>"
+
+
+def _cell(key: str, value) -> str:
+    if key in ("overflow", "underflow"):
+        return f"<td class=n>{_num(None if value is None else value * 100)}</td>"
+    if key in _NUMERIC:
+        return f"<td class=n>{_num(value)}</td>"
+    text = _e("-" if value is None else value)
+    return f"<td><code>{text}</code></td>" if key in ("name", "op") else f"<td>{text}</td>"
+
+
+def _parameters_section(parameters: list, limit: int = 50) -> str:
+    if not parameters:
+        return "<h2>Parameter gradients</h2>\n<p>None: no parameter gradients were compared.</p>"
+    worst_first = sorted(parameters, key=lambda p: -_badness(p.get("grad_error"), p.get("grad_nonfinite")))
+    rows = "\n".join(
+        ("<tr class=bad>" if p.get("grad_nonfinite") else "<tr>") + f"<td><code>{_e(p['name'])}</code></td>"
+        f"<td class=n>{_num(p.get('grad_error'))}</td><td class=n>{_num(p.get('grad_max_abs'))}</td>"
+        f"<td>{'yes' if p.get('grad_nonfinite') else 'no'}</td></tr>"
+        for p in worst_first[:limit]
+    )
+    more = f"\n<p>… and {len(worst_first) - limit} more, not shown.</p>" if len(worst_first) > limit else ""
+    return (
+        "<h2>Parameter gradients</h2>\n<table>\n<tr><th>parameter</th><th>grad error</th><th>grad max |x|</th>"
+        f"<th>non-finite</th></tr>\n{rows}\n</table>{more}"
+    )
+
+
+def _badness(value, nonfinite) -> float:
+    if nonfinite or (value is not None and not math.isfinite(value)):
+        return math.inf
+    return -1.0 if value is None else value
+
+
+def _plot_section(report: dict) -> str:
+    nodes = report.get("nodes") or []
+    if not nodes:
+        return "<h2>Per-node error and range</h2>\n<p>None: no nodes were measured.</p>"
+    return (
+        "<h2>Per-node error and range</h2>\n<p>Relative error vs the FP32 run and max |x| / dtype max of each node, "
+        "on one log scale. A red point at the top is non-finite; values above the dashed dtype max line overflow. "
+        "Hover over a point for its node.</p>\n" + _plot(nodes, report.get("dtype_max"), report.get("first_nonfinite"))
+    )
+
+
+def _series(nodes: list, dtype_max) -> tuple[list, list]:
+    """(error points, range points) as (node, x, value); value None: non-finite, clamped to the top."""
+    errors, ranges = [], []
+    for position, node in enumerate(nodes):
+        x, error, max_abs = node.get("index", position), node.get("error"), node.get("max_abs")
+        if node.get("nonfinite") or (error is not None and not math.isfinite(error)):
+            errors.append((node, x, None))
+        elif error is not None and error > 0:  # zeros have no place on a log scale
+            errors.append((node, x, error))
+        if dtype_max and max_abs is not None and (max_abs > 0 or not math.isfinite(max_abs)):
+            ranges.append((node, x, max_abs / dtype_max if math.isfinite(max_abs) else None))
+    return errors, ranges
+
+
+def _plot(nodes: list, dtype_max, first_nonfinite) -> str:
+    errors, ranges = _series(nodes, dtype_max)
+    logs = [math.log10(v) for _, _, v in errors + ranges if v is not None] + ([0.0] if dtype_max else [])
+    # Every finite value lies below the top line, so a point clamped there is never mistaken for one.
+    low, high = math.floor(min(logs, default=0)), math.floor(max(logs, default=0)) + 1
+    x_max = max(max(node.get("index", position) for position, node in enumerate(nodes)), 1)
+    width, height, right = _W - _LEFT - _RIGHT, _H - _TOP - _BOTTOM, _W - _RIGHT
+
+    def at(x, value):
+        y = high if value is None else math.log10(value)
+        return f"{_LEFT + x / x_max * width:.1f}", f"{_TOP + (high - y) / (high - low) * height:.1f}"
+
+    parts = [f'<rect x="{_LEFT}" y="{_TOP}" width="{width}" height="{height}" fill="none" stroke="#888"/>']
+    for k in range(low, high + 1, max(1, math.ceil((high - low) / 10))):
+        _, y = at(0, 10.0**k)
+        parts.append(f'<line x1="{_LEFT}" y1="{y}" x2="{right}" y2="{y}" stroke="#eee"/><text x="{_LEFT - 6}" '
+                     f'y="{y}" text-anchor="end" dominant-baseline="middle">1e{k}</text>')
+    step = next(m * 10**k for k in range(12) for m in (1, 2, 5) if x_max / (m * 10**k) <= 10)
+    for index in range(0, int(x_max) + 1, step):
+        parts.append(f'<text x="{at(index, 1.0)[0]}" y="{_TOP + height + 16}" text-anchor="middle">{index}</text>')
+    parts.append(f'<text x="{_LEFT + width / 2}" y="{_H - 6}" text-anchor="middle">node (execution order)</text>')
+    if dtype_max:
+        _, y = at(0, 1.0)
+        parts.append(f'<line x1="{_LEFT}" y1="{y}" x2="{right}" y2="{y}" stroke="#555" stroke-dasharray="6 4"/>'
+                     f'<text x="{right - 4}" y="{y}" dy="-4" text-anchor="end" fill="#555" {_HALO}>dtype max</text>')
+    points = " ".join(",".join(at(x, v)) for _, x, v in errors)
+    parts.append(f'<polyline fill="none" stroke="{_ERROR}" stroke-width="0.8" stroke-opacity="0.6" points="{points}"/>')
+    radius = 2.5 if len(nodes) <= 500 else 1.5
+    for series, colour, plotted in (("error", _ERROR, errors), ("range", _RANGE, ranges)):
+        for node, x, value in plotted:
+            (cx, cy), clamped = at(x, value), value is None
+            parts.append(f'<circle class="{series}{" clamped" * clamped}" cx="{cx}" cy="{cy}" r="{radius}" '
+                         f'fill="{_BAD if clamped else colour}"><title>{_tooltip(node, dtype_max)}</title></circle>')
+    first = (first_nonfinite or {}).get("node")
+    first_x = next((node.get("index", i) for i, node in enumerate(nodes) if first and node.get("name") == first), None)
+    if first_x is not None:  # drawn after the points so that thousands of them do not hide it
+        x, _ = at(first_x, 1.0)
+        side = 'dx="4"' if first_x < x_max / 2 else 'dx="-4" text-anchor="end"'
+        parts.append(f'<g class="first-nonfinite"><line x1="{x}" y1="{_TOP}" x2="{x}" y2="{_TOP + height}" '
+                     f'stroke="{_BAD}" stroke-dasharray="3 3"/><text x="{x}" y="{_TOP + 24}" {side} '
+                     f'fill="{_BAD}" {_HALO}>first non-finite: {_e(first)}</text></g>')
+    parts.append(_legend())
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {_W} {_H}" width="100%" '
+            f'style="max-width:{_W}px" font-family="Helvetica, Arial, sans-serif" font-size="11">\n'
+            + "\n".join(parts) + "\n</svg>")
+
+
+def _tooltip(node: dict, dtype_max) -> str:
+    ratio = node["max_abs"] / dtype_max if dtype_max and node.get("max_abs") is not None else None
+    return _e(f"#{node.get('index')} {node.get('name')} ({node.get('op')}, {node.get('module') or '(top level)'}): "
+              f"error {_num(node.get('error'))}, local error {_num(node.get('local_error'))}, max |x| "
+              f"{_num(node.get('max_abs'))} ({_num(ratio)} of dtype max), grad error {_num(node.get('grad_error'))}")
+
+
+def _legend() -> str:
+    x, y = _W - _RIGHT + 14, _TOP + 10
+    entries = [(_ERROR, "relative error"), (_RANGE, "max |x| / dtype max"), (_BAD, "non-finite (clamped)")]
+    marks = [f'<circle cx="{x}" cy="{y + 18 * i}" r="3.5" fill="{colour}"/>'
+             f'<text x="{x + 10}" y="{y + 18 * i}" dominant-baseline="middle">{_e(what)}</text>'
+             for i, (colour, what) in enumerate(entries)]
+    marks.append(f'<line x1="{x - 6}" y1="{y + 54}" x2="{x + 6}" y2="{y + 54}" stroke="#555" stroke-dasharray="4 2"/>'
+                 f'<text x="{x + 10}" y="{y + 54}" dominant-baseline="middle">dtype max</text>')
+    return '<g class="legend">' + "".join(marks) + "</g>"
+
+
+def _num(value) -> str:
+    """3 significant digits: plain from 0.01 to 1000, exponent outside; '-' for not measured."""
+    if value is None:
+        return "-"
+    if not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    return f"{value:.3g}" if value == 0 or 0.01 <= abs(value) < 1000 else f"{value:.2e}"

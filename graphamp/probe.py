@@ -1,0 +1,355 @@
+"""The doctor's instrument: one captured FP32 graph, run node by node in FP32 and rewritten, on the same inputs.
+
+`Probe` captures the model once. `reference(seed)` runs the FP32 graph and keeps every node's value and
+output gradient; `compare(amp_lists, reference)` rewrites a copy of the graph with those lists and runs it,
+measuring each op node against the reference as it goes:
+- error: the node's value against FP32, everything upstream included;
+- local_error: the op alone, as the rewritten graph runs it, on the FP32 run's inputs;
+- low_error: the op run in the low dtype on the FP32 run's inputs (what putting it on the white list costs);
+- grad_error: the gradient reaching the node's output, against FP32's.
+Both runs draw the same random numbers (dropout), and neither touches the model's parameters, gradients or
+buffers: they run on copies.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import operator
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+import torch.utils._pytree as pytree
+from torch._ops import HigherOrderOperator, OpOverload
+from torch.fx import GraphModule, Interpreter, Node
+from torch.fx.node import map_arg
+
+from graphamp.capture import capture
+from graphamp.cast_pass import (
+    EXPLICIT_CAST, INSERTED_CAST, _inputs_where, _norm_parameter_inputs, insert_casts, module_path, node_dtype,
+)
+from graphamp.lists import AutoMixedPrecisionLists, dtype_name, op_lookup_keys
+from graphamp.module import device_of, check_dtype_runs_on, check_master_weights, fp32_placeholders
+from graphamp.numerics import floating_leaves, nonfinite_where_finite, range_in, relative_error
+
+_INDEX = "graphamp_doctor_index"  # meta key: a node's place in the captured graph, kept by the rewritten copy
+
+
+@dataclass
+class NodeNumerics:
+    """One op node of the rewritten graph, measured against the FP32 run (worst over the steps)."""
+
+    index: int
+    name: str
+    op: str  # 'addmm.default'
+    entry: str  # the list entry that decides it ('mul' or 'mul.Tensor'), or the op's packet when unlisted
+    module: str
+    decision: str
+    source: str
+    runs_in: str | None
+    max_abs: float | None = None  # of the FP32 run's value
+    overflow: float = 0.0  # fraction of the FP32 run's values that are inf in the low dtype
+    underflow: float = 0.0  # fraction that flush to zero in it
+    error: float | None = None
+    local_error: float | None = None
+    low_error: float | None = None
+    grad_error: float | None = None
+    nonfinite: bool = False
+    grad_nonfinite: bool = False
+    inputs: tuple[str, ...] = ()  # the op nodes feeding it, through graphamp's casts
+
+    def merge(self, other: NodeNumerics) -> None:
+        """Keep the worst of two steps' figures."""
+        for name in ("max_abs", "overflow", "underflow", "error", "local_error", "low_error", "grad_error"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            setattr(self, name, theirs if mine is None else mine if theirs is None else _worst(mine, theirs))
+        self.nonfinite |= other.nonfinite
+        self.grad_nonfinite |= other.grad_nonfinite
+
+
+@dataclass
+class Reference:
+    """The FP32 run: every node's value, the gradients reaching op outputs and parameters, and the outputs."""
+
+    seed: int
+    values: dict[int, object] = field(default_factory=dict)
+    grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    parameter_grads: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    outputs: object = None
+    loss: torch.Tensor | None = None
+
+
+@dataclass
+class Comparison:
+    """One rewritten run against a Reference."""
+
+    nodes: list[NodeNumerics]
+    first_nonfinite: NodeNumerics | None
+    first_nonfinite_grad: NodeNumerics | None
+    output_error: float | None
+    loss: torch.Tensor | None
+    parameter_grads: dict[str, torch.Tensor | None]
+    casts_inserted: int
+
+
+class Probe:
+    """A model captured once, with the inputs and parameter copies both runs are fed."""
+
+    def __init__(self, model, example_args, example_kwargs, dtype, level="O1", loss_fn=None, loss_scaling=1.0):
+        check_master_weights(model)  # what rewrite() refuses, the doctor refuses too
+        check_dtype_runs_on(device_of(model), dtype, compile=False)
+        kwargs = dict(sorted((example_kwargs or {}).items()))  # the order rewrite() captures in
+        self.model = model
+        self.level = level
+        self.loss_fn = loss_fn
+        self.loss_scaling = float(loss_scaling)
+        self.captured = capture(model, example_args, kwargs)
+        self.user_inputs = pytree.tree_leaves((example_args, kwargs))
+        for index, node in enumerate(self.captured.graph_module.graph.nodes):
+            node.meta[_INDEX] = index
+        names = self.captured.parameter_placeholders
+        placeholders = self.captured.graph_module.graph.find_nodes(op="placeholder")
+        # Leaf copies of the parameters: autograd.grad on them leaves the model's own .grad alone.
+        self.parameters: dict[str, torch.Tensor] = {}
+        self._feeds = []
+        for placeholder, source in zip(placeholders, self.captured.lifted):
+            tensor = source.get()
+            if placeholder.name in names:
+                leaf = tensor.detach().clone().requires_grad_(tensor.requires_grad)
+                self.parameters.setdefault(names[placeholder.name], leaf)
+                self._feeds.append(lambda leaf=leaf: leaf)
+            else:  # buffers are cloned per run: BatchNorm updates its statistics in place
+                self._feeds.append(lambda tensor=tensor: tensor.detach().clone())
+
+    @property
+    def graph_module(self) -> GraphModule:
+        return self.captured.graph_module
+
+    def rewritten(self, amp_lists: AutoMixedPrecisionLists) -> tuple[GraphModule, int]:
+        """A copy of the captured graph with the cast pass run on it by `amp_lists`, and its cast count."""
+        graph_module = copy.deepcopy(self.graph_module)
+        report = insert_casts(
+            graph_module, amp_lists, self.level, True, fp32_placeholders(self.model, self.captured, self.level)
+        )
+        return graph_module, report.casts_inserted
+
+    # -- runs ----------------------------------------------------------------------------------------------
+    def reference(self, seed: int, backward: bool = True) -> Reference:
+        """Run the FP32 graph, keeping every node's value and (with backward) the gradient reaching it."""
+        reference = Reference(seed)
+
+        def observe(node, value, interpreter):
+            reference.values[node.meta[_INDEX]] = value
+            if backward and _is_op(node):
+                for position, tensor in enumerate(floating_leaves(value)):
+                    if tensor.requires_grad:
+                        key = (node.meta[_INDEX], position)
+                        tensor.register_hook(lambda grad, key=key: reference.grads.__setitem__(key, grad.detach()))
+
+        reference.outputs, reference.loss, reference.parameter_grads = self._run(
+            self.graph_module, seed, observe, backward, 1.0
+        )
+        return reference
+
+    def compare(self, amp_lists: AutoMixedPrecisionLists, reference: Reference, backward: bool = True) -> Comparison:
+        """Rewrite a copy of the graph with `amp_lists`, run it on the reference's inputs and measure every op."""
+        graph_module, casts = self.rewritten(amp_lists)
+        low = amp_lists.dtype
+        nodes: list[NodeNumerics] = []
+        by_index: dict[int, NodeNumerics] = {}
+        aligned: dict[Node, object] = {}
+        grad_order: list[NodeNumerics] = []
+
+        def observe(node, value, interpreter):
+            if not _is_op(node) or _INDEX not in node.meta:
+                return  # graphamp's casts and getitems are measured through the ops that read them
+            index = node.meta[_INDEX]
+            expected = reference.values[index]
+            record = _record(node, value, amp_lists, len(nodes))
+            record.max_abs, record.overflow, record.underflow = range_in(expected, low)
+            record.error = relative_error(value, expected)
+            record.nonfinite = nonfinite_where_finite(value, expected)
+            if _reruns(node):
+                inputs = map_arg((node.args, node.kwargs), lambda n: _aligned(n, reference, aligned))
+                record.local_error = relative_error(_call(node, inputs), expected)
+                runs_low = record.runs_in == dtype_name(low)
+                record.low_error = record.local_error if runs_low else self._low_error(node, reference, low, aligned)
+            nodes.append(record)
+            by_index[index] = record
+            for position, tensor in enumerate(floating_leaves(value)):
+                if tensor.requires_grad and (index, position) in reference.grads:
+                    tensor.register_hook(
+                        lambda grad, key=(index, position), record=record: _compare_grad(
+                            grad, key, record, reference, self.loss_scaling, grad_order
+                        )
+                    )
+
+        outputs, loss, parameter_grads = self._run(graph_module, reference.seed, observe, backward, self.loss_scaling)
+        return Comparison(
+            nodes=nodes,
+            first_nonfinite=next((r for r in nodes if r.nonfinite), None),
+            first_nonfinite_grad=next((r for r in grad_order if r.grad_nonfinite), None),
+            output_error=relative_error(outputs, reference.outputs),
+            loss=loss,
+            parameter_grads=parameter_grads,
+            casts_inserted=casts,
+        )
+
+    def output_error(self, amp_lists: AutoMixedPrecisionLists, reference: Reference) -> float:
+        """The rewritten model's loss (or outputs) against FP32, forward only and without instruments: fast."""
+        graph_module, _ = self.rewritten(amp_lists)
+        with torch.no_grad():
+            outputs, loss, _ = self._run(graph_module, reference.seed, None, False, 1.0)
+        if loss is not None and reference.loss is not None:
+            error = relative_error(loss, reference.loss)
+        else:
+            error = relative_error(outputs, reference.outputs)
+        return math.inf if error is None or math.isnan(error) else error
+
+    def _run(self, graph_module, seed, observe, backward, loss_scaling):
+        """(user outputs, loss, parameter gradients) of one run; the model's RNG state is left as it was."""
+        devices = sorted({t.device.index for t in self.parameters.values() if t.device.type == "cuda"})
+        with torch.random.fork_rng(devices=devices), torch.enable_grad() if backward else nullcontext():
+            torch.manual_seed(seed)
+            flat = _Observed(graph_module, observe).run(*(feed() for feed in self._feeds), *self.user_inputs)
+        outputs = pytree.tree_unflatten([flat[i] for i in self.captured.user_outputs], self.captured.out_spec)
+        loss = self.loss_fn(outputs) if self.loss_fn is not None else _scalar_loss(outputs)
+        grads = {}
+        trainable = {name: p for name, p in self.parameters.items() if p.requires_grad}
+        if backward and loss is not None and loss.requires_grad and trainable:
+            found = torch.autograd.grad(loss * loss_scaling, list(trainable.values()), allow_unused=True)
+            grads = {name: None if g is None else g / loss_scaling for name, g in zip(trainable, found)}
+        detached = pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, outputs)
+        return detached, None if loss is None else loss.detach(), grads
+
+    def _low_error(self, node: Node, reference: Reference, low: torch.dtype, aligned: dict) -> float | None:
+        """The op on the FP32 run's inputs cast down to `low` (normalization parameters stay FP32)."""
+        keep = _norm_parameter_inputs(node)
+
+        def value(n):
+            v = _aligned(n, reference, aligned)
+            cast = isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != torch.float64 and n not in keep
+            return v.to(low) if cast else v
+
+        try:
+            return relative_error(_call(node, map_arg((node.args, node.kwargs), value)), reference.values[node.meta[_INDEX]])
+        except Exception:  # the op has no low-precision kernel here: it cannot move to white
+            return None
+
+
+class _Observed(Interpreter):
+    """Runs a graph node by node, handing each node's value to `observe` while its inputs are still alive."""
+
+    def __init__(self, graph_module, observe):
+        super().__init__(graph_module)
+        self.observe = observe
+
+    def run_node(self, node):
+        value = super().run_node(node)
+        if self.observe is not None:
+            self.observe(node, value, self)
+        return value
+
+
+def _is_op(node: Node) -> bool:
+    return node.op == "call_function" and isinstance(node.target, (OpOverload, HigherOrderOperator))
+
+
+def _reruns(node: Node) -> bool:
+    """Whether the op can run again on other inputs: not random (dropout), not in place, not a sub-graph."""
+    if not isinstance(node.target, OpOverload) or _draws_random_numbers(node):
+        return False
+    if node.meta.get("graphamp", {}).get("decision") in (EXPLICIT_CAST, INSERTED_CAST):
+        return False
+    return not _inputs_where(node, lambda argument: argument.alias_info is not None and argument.alias_info.is_write)
+
+
+def _draws_random_numbers(node: Node) -> bool:
+    """Random ops (dropout, bernoulli); attention and dropout with a probability of 0 draw none."""
+    if torch.Tag.nondeterministic_seeded not in node.target.tags:
+        return False
+    for index, argument in enumerate(node.target._schema.arguments):
+        value = node.kwargs.get(argument.name, node.args[index] if index < len(node.args) else argument.default_value)
+        if (argument.name in ("p", "dropout_p") and value == 0) or (argument.name == "train" and value is False):
+            return False
+    return True
+
+
+def _record(node: Node, value, amp_lists: AutoMixedPrecisionLists, index: int) -> NodeNumerics:
+    mark = node.meta.get("graphamp", {})
+    if isinstance(node.target, OpOverload):
+        op, packet = op_lookup_keys(node.target)
+        entry = amp_lists.classify(node.target)
+        entry_name = entry.name if entry is not None else packet
+    else:
+        op = entry_name = node.target.__name__
+    floats = floating_leaves(value) or [n.meta["val"] for n in node.all_input_nodes if node_dtype(n) is not None
+                                        and node_dtype(n).is_floating_point]
+    return NodeNumerics(
+        index=index, name=node.name, op=op, entry=entry_name, module=mark.get("module", module_path(node)),
+        decision=mark.get("decision", ""), source=mark.get("source", ""),
+        runs_in=dtype_name(floats[0].dtype) if floats else None, inputs=_producers(node),
+    )
+
+
+def _producers(node: Node) -> tuple[str, ...]:
+    """The op nodes whose values `node` reads, looking through inserted casts, recast reshapes and getitems."""
+    names = []
+    for value in node.all_input_nodes:
+        while value.op == "call_function" and _INDEX not in value.meta or value.target is operator.getitem:
+            value = value.all_input_nodes[0]
+        if _is_op(value):
+            names.append(value.name)
+    return tuple(names)
+
+
+def _aligned(node: Node, reference: Reference, memo: dict):
+    """The FP32 run's value of `node`, in the dtype the rewritten graph gives it; graphamp's own casts and
+    reshapes are recomputed on such values."""
+    if node in memo:
+        return memo[node]
+    if _INDEX in node.meta:
+        value = _in_dtypes_of(reference.values[node.meta[_INDEX]], node.meta.get("val"))
+    else:
+        value = _call(node, map_arg((node.args, node.kwargs), lambda n: _aligned(n, reference, memo)))
+    memo[node] = value
+    return value
+
+
+def _in_dtypes_of(value, like):
+    """`value` with each floating tensor in the dtype of its counterpart in `like` (a node's meta value)."""
+    if isinstance(value, torch.Tensor) and isinstance(like, torch.Tensor):
+        return value.to(like.dtype) if value.is_floating_point() and value.dtype != like.dtype else value
+    if isinstance(value, (tuple, list)) and isinstance(like, (tuple, list)) and len(value) == len(like):
+        return type(value)(_in_dtypes_of(v, l) for v, l in zip(value, like))
+    return value
+
+
+def _call(node: Node, inputs):
+    args, kwargs = inputs
+    with torch.no_grad():
+        return node.target(*args, **kwargs)
+
+
+def _compare_grad(grad, key, record, reference, loss_scaling, grad_order) -> None:
+    """A gradient hook of the rewritten run: measure the gradient against FP32's and note the first inf/NaN."""
+    unscaled = grad.detach() / loss_scaling
+    expected = reference.grads[key]
+    error = relative_error(unscaled, expected)
+    record.grad_error = error if record.grad_error is None or error is None else _worst(record.grad_error, error)
+    if nonfinite_where_finite(unscaled, expected):
+        record.grad_nonfinite = True
+    grad_order.append(record)
+
+
+def _scalar_loss(outputs) -> torch.Tensor | None:
+    """The model's loss: its first scalar floating output (transformers' `.loss`)."""
+    return next(
+        (t for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.dim() == 0 and t.is_floating_point()),
+        None,
+    )
+
+
+def _worst(a: float, b: float) -> float:
+    return a if math.isnan(a) else b if math.isnan(b) else max(a, b)

@@ -1,0 +1,128 @@
+"""What to put on which list, from what the probe measured.
+
+- Fixes for inf/NaN: the first op that overflows goes FP32: its module into custom_black_modules when it is
+  a white op (a GEMM: keeping that op FP32 everywhere would cost every GEMM's speed), else its list entry
+  onto black.txt under the dtype's section. Each fix is applied and the model run again, until the run is
+  finite (the fixes are then *verified*) or no new fix is found.
+- Accuracy: ops that run low with a local error far above the dtype's rounding go black (not verified).
+- Speed-ups: black ops whose values fit the low dtype and whose measured low-precision error is within a few
+  roundings are candidates for white (not verified: `auto_mixed_precision` verifies against a tolerance).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from graphamp.lists import BLACK, WHITE, AutoMixedPrecisionLists, dtype_name
+from graphamp.numerics import unit_roundoff
+from graphamp.probe import Comparison, NodeNumerics, Probe, Reference
+
+BLACK_OP, BLACK_MODULE, WHITE_OP = "black_op", "black_module", "white_op"
+MAX_FIX_ROUNDS = 8
+# A low-precision op whose own error exceeds this many unit roundoffs of its dtype is badly conditioned there.
+ROUNDINGS_ALLOWED = 8
+# Values that flush to zero in the low dtype: a black op with more than this share stays black.
+UNDERFLOW_ALLOWED = 1e-3
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    kind: str  # black_op, black_module or white_op
+    target: str  # the list entry ('mul', 'mul.Tensor') or the module path
+    text: str  # what to do, with the measurement that says why
+    reason: str  # the measurement alone, for a list file's comment
+    verified: bool = False  # rerun with it applied: the inf/NaN is gone
+
+    def as_dict(self) -> dict:
+        return {"kind": self.kind, "target": self.target, "text": self.text, "verified": self.verified}
+
+
+def lists_with(amp_lists: AutoMixedPrecisionLists, suggestions) -> AutoMixedPrecisionLists:
+    """`amp_lists` with the suggestions applied as custom lists."""
+    by_kind = {kind: [s.target for s in suggestions if s.kind == kind] for kind in (BLACK_OP, BLACK_MODULE, WHITE_OP)}
+    return amp_lists.with_changes(white=by_kind[WHITE_OP], black=by_kind[BLACK_OP], black_modules=by_kind[BLACK_MODULE])
+
+
+def fixes_for_nonfinite(
+    probe: Probe, amp_lists: AutoMixedPrecisionLists, reference: Reference, comparison: Comparison
+) -> list[Suggestion]:
+    """Fixes that make the rewritten run finite, forward and backward, each found on the run before it."""
+    found: list[Suggestion] = []
+    for _ in range(MAX_FIX_ROUNDS):
+        culprit = comparison.first_nonfinite or comparison.first_nonfinite_grad
+        if culprit is None:
+            return [_verified(s) for s in found]
+        fix = _fix_for(culprit, comparison, amp_lists.dtype, forward=comparison.first_nonfinite is not None)
+        if fix is None or any(s.kind == fix.kind and s.target == fix.target for s in found):
+            break  # no new fix to try: what was found is reported, unverified
+        found.append(fix)
+        comparison = probe.compare(lists_with(amp_lists, found), reference)
+    return found
+
+
+def accuracy_and_speed(nodes: list[NodeNumerics], dtype: torch.dtype, taken: set[str]) -> list[Suggestion]:
+    """Black entries for ops badly conditioned in `dtype`; white candidates among the black ops that fit it."""
+    limit = ROUNDINGS_ALLOWED * unit_roundoff(dtype)
+    low = dtype_name(dtype)
+    by_entry: dict[str, list[NodeNumerics]] = {}
+    for record in nodes:
+        if record.decision in (WHITE, BLACK, "gray", "unlisted") and record.runs_in is not None:
+            by_entry.setdefault(record.entry, []).append(record)
+    suggestions = []
+    for entry, records in sorted(by_entry.items()):
+        if entry in taken:
+            continue
+        running_low = [r for r in records if r.runs_in == low and r.local_error is not None]
+        worst = max(running_low, key=lambda r: r.local_error, default=None)
+        if worst is not None and worst.local_error > limit and not any(r.decision == WHITE for r in running_low):
+            reason = f"its own error in {low} is {worst.local_error:.3g} > {limit:.3g} at {_where(worst)}"
+            suggestions.append(Suggestion(BLACK_OP, entry, f"add `{entry}` to black.txt under [{low}] ({reason})", reason))
+        if all(r.decision == BLACK for r in records) and _fits(records, limit):
+            errors = [r.low_error for r in records]
+            reason = f"measured error in {low} at most {max(errors):.3g} over {len(records)} node(s), values fit {low}"
+            suggestions.append(
+                Suggestion(WHITE_OP, entry, f"move `{entry}` from black to white ({reason})", reason)
+            )
+    return suggestions
+
+
+def _fix_for(culprit: NodeNumerics, comparison: Comparison, dtype: torch.dtype, forward: bool) -> Suggestion | None:
+    """The list edit that keeps the op behind `culprit`'s inf/NaN in FP32."""
+    low = dtype_name(dtype)
+    if culprit.runs_in != low:  # an FP32 op fed a value rounded to zero (or to inf) by a low-precision producer
+        by_name = {r.name: r for r in comparison.nodes}
+        producers = [by_name[n] for n in culprit.inputs if n in by_name and by_name[n].runs_in == low]
+        if not producers:
+            return None
+        culprit = max(producers, key=lambda r: (r.underflow, r.overflow, r.error or 0.0))
+    limit = torch.finfo(dtype).max
+    if not forward:
+        why = f"its gradient overflows {low} at {_where(culprit)}"
+    elif culprit.max_abs is not None and culprit.max_abs > limit:
+        why = f"max |x| {culprit.max_abs:.3g} > {low} max {limit:.3g} at {_where(culprit)}"
+    elif culprit.underflow > 0:
+        why = f"{culprit.underflow:.1%} of its values flush to zero in {low} at {_where(culprit)}"
+    else:
+        why = f"it gives inf/NaN in {low} where FP32 is finite, at {_where(culprit)}"
+    if culprit.decision == WHITE and culprit.module:
+        return Suggestion(BLACK_MODULE, culprit.module, f"module `{culprit.module}` → custom_black_modules ({why})", why)
+    return Suggestion(BLACK_OP, culprit.entry, f"add `{culprit.entry}` to black.txt under [{low}] ({why})", why)
+
+
+def _fits(records: list[NodeNumerics], limit: float) -> bool:
+    return all(
+        r.low_error is not None and r.low_error <= limit and r.overflow == 0 and r.underflow <= UNDERFLOW_ALLOWED
+        and not r.nonfinite
+        for r in records
+    )
+
+
+def _verified(suggestion: Suggestion) -> Suggestion:
+    return Suggestion(suggestion.kind, suggestion.target, suggestion.text, suggestion.reason, verified=True)
+
+
+def _where(record: NodeNumerics) -> str:
+    return f"{record.module} ({record.name})" if record.module else record.name
+

@@ -1,0 +1,249 @@
+"""graphamp.doctor: the node that overflows, each op's error against FP32, and list edits that fix it.
+
+Models built to overflow in float16 at a known node (tests/models.py): PooledSum's `pool` linear sums 256
+values of about 300 (a white op: its module is kept FP32), SquaredEnergy's `h * h` squares them (a gray op:
+it goes black for float16). Small tensors: float16 on CPU is slow.
+"""
+
+import math
+
+import pytest
+import torch
+
+import graphamp
+from graphamp.lists import AutoMixedPrecisionLists
+from graphamp.numerics import unit_roundoff
+from graphamp.suggestions import BLACK_MODULE, BLACK_OP, WHITE_OP
+from models import PooledSum, SmallResNet, SquaredEnergy, digits, gpt2, large_inputs, token_batch
+from training import relative_error
+
+FP16 = AutoMixedPrecisionLists(dtype="float16")
+BF16 = AutoMixedPrecisionLists(dtype="bfloat16")
+FP16_MAX = torch.finfo(torch.float16).max
+
+
+def pooled_sum():
+    torch.manual_seed(0)
+    return PooledSum(), large_inputs(8, 256, 16)
+
+
+def squared_energy():
+    torch.manual_seed(0)
+    return SquaredEnergy(), large_inputs(8, 16)
+
+
+def gpt2_batch():
+    ids = token_batch()
+    return {"input_ids": ids, "labels": ids}
+
+
+@pytest.fixture(scope="module")
+def gpt2_bf16_report():
+    torch.manual_seed(0)
+    model = gpt2()
+    return model, graphamp.doctor(model, (), gpt2_batch(), amp_lists=BF16)
+
+
+# -- the node that overflows -----------------------------------------------------------------------------------
+
+def test_overflow_in_a_white_op_is_found_at_its_node():
+    model, inputs = pooled_sum()
+
+    report = graphamp.doctor(model, inputs, amp_lists=FP16)
+
+    culprit = report.first_nonfinite
+    assert (culprit.op, culprit.module, culprit.decision) == ("linear.default", "pool", "white")
+    assert culprit.max_abs > FP16_MAX and culprit.overflow > 0
+    assert all(not r.nonfinite for r in report.nodes[: report.nodes.index(culprit)])
+    assert not report.finite and math.isnan(report.loss["amp"]) and math.isfinite(report.loss["fp32"])
+
+
+def test_a_white_op_that_overflows_gets_its_module_kept_fp32_verified():
+    model, inputs = pooled_sum()
+
+    report = graphamp.doctor(model, inputs, amp_lists=FP16)
+
+    fixes = [s for s in report.suggestions if s.kind != WHITE_OP]
+    assert [(s.kind, s.target, s.verified) for s in fixes] == [(BLACK_MODULE, "pool", True)]
+    assert "module `pool` → custom_black_modules" in fixes[0].text
+    assert "> float16 max" in fixes[0].text
+
+
+def test_overflow_in_a_gray_op_is_found_and_put_on_the_black_list_for_float16():
+    model, inputs = squared_energy()
+
+    report = graphamp.doctor(model, inputs, amp_lists=FP16)
+
+    assert (report.first_nonfinite.op, report.first_nonfinite.decision) == ("mul.Tensor", "gray")
+    fixes = [s for s in report.suggestions if s.kind != WHITE_OP]
+    assert [(s.kind, s.target, s.verified) for s in fixes] == [(BLACK_OP, "mul", True)]
+    assert fixes[0].text.startswith("add `mul` to black.txt under [float16] (max |x| 1.")
+
+
+def test_the_suggested_lists_run_finite_where_the_lists_given_do_not():
+    model, inputs = squared_energy()
+    report = graphamp.doctor(model, inputs, amp_lists=FP16)
+
+    fixed = graphamp.doctor(model, inputs, amp_lists=report.suggested_lists())
+
+    assert fixed.finite and fixed.loss["relative_error"] < 1e-2
+    assert [s for s in fixed.suggestions if s.kind != WHITE_OP] == []
+
+
+def test_bfloat16_does_not_overflow_where_float16_does():
+    model, inputs = pooled_sum()
+
+    report = graphamp.doctor(model, inputs, amp_lists=BF16)
+
+    assert report.finite
+    assert next(r for r in report.nodes if r.module == "pool").overflow == 0.0
+
+
+@pytest.mark.parametrize("build", [pooled_sum, squared_energy], ids=["white-op", "gray-op"])
+def test_applying_the_suggestion_makes_float16_training_finite(build, tmp_path):
+    model, (x, target) = build()
+    report = graphamp.doctor(model, (x, target), amp_lists=FP16)
+    folder = report.apply(tmp_path / "fixed_lists")
+
+    def train(lists, steps=12):
+        torch.manual_seed(1)
+        net = build()[0]
+        amp_model = graphamp.rewrite(net, (x, target), amp_lists=lists)
+        optimizer = graphamp.decorate(torch.optim.Adam(amp_model.parameters(), lr=1e-3), lists)
+        losses = []
+        for _ in range(steps):
+            loss = amp_model(x, target)
+            optimizer.minimize(loss)
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses, optimizer
+
+    broken, broken_optimizer = train(FP16)
+    assert not any(math.isfinite(loss) for loss in broken)
+    assert broken_optimizer.skipped_steps == 12
+
+    losses, optimizer = train(AutoMixedPrecisionLists(dtype="float16", lists_dir=folder))
+    assert all(math.isfinite(loss) for loss in losses)
+    assert optimizer.skipped_steps < 12 and losses[-1] < losses[0]
+
+
+# -- the measurements ------------------------------------------------------------------------------------------
+
+def test_loss_and_parameter_gradient_errors_match_a_separate_run(gpt2_bf16_report):
+    model, report = gpt2_bf16_report
+    batch = gpt2_batch()
+    amp_model = graphamp.rewrite(model, (), batch, amp_lists=BF16)
+    fp32_loss = model(**batch).loss
+    amp_loss = amp_model(**batch).loss
+    name = "transformer.h.1.mlp.c_fc.weight"
+    parameter = model.get_parameter(name)
+    (fp32_grad,) = torch.autograd.grad(fp32_loss, [parameter])
+    (amp_grad,) = torch.autograd.grad(amp_loss, [parameter])
+
+    assert report.loss["fp32"] == pytest.approx(fp32_loss.item(), rel=1e-6)
+    assert report.loss["amp"] == pytest.approx(amp_loss.item(), rel=1e-6)
+    measured = next(p for p in report.parameters if p.name == name)
+    assert measured.grad_error == pytest.approx(relative_error(amp_grad, fp32_grad), rel=1e-3)
+    assert 0 < measured.grad_error < 0.05
+
+
+def test_each_op_is_measured_in_the_dtype_it_runs_in(gpt2_bf16_report):
+    _, report = gpt2_bf16_report
+    rounding = unit_roundoff(torch.bfloat16)
+
+    white = [r for r in report.nodes if r.decision == "white"]
+    assert white and all(r.runs_in == "bfloat16" for r in white)
+    # A GEMM's own error in bfloat16 is a few roundings of its inputs and output.
+    assert all(rounding / 4 < r.local_error < 4 * rounding for r in white)
+    # Black ops run FP32: running them low is measured apart, and costs more than they cost now.
+    black = [r for r in report.nodes if r.decision == "black" and r.low_error is not None]
+    assert black and all(r.runs_in == "float32" for r in black)
+    assert all(r.low_error >= r.local_error for r in black)
+    # Errors accumulate: the last white op is further from FP32 than its own error.
+    assert white[-1].error > white[-1].local_error
+    assert all(r.grad_error is not None for r in white)
+
+
+def test_black_ops_that_fit_the_low_dtype_are_offered_as_white_with_their_error(gpt2_bf16_report):
+    _, report = gpt2_bf16_report
+
+    candidates = [s for s in report.suggestions if s.kind == WHITE_OP]
+
+    assert candidates and all(not s.verified for s in candidates)
+    for suggestion in candidates:
+        records = [r for r in report.nodes if r.entry == suggestion.target]
+        assert all(r.decision == "black" and r.overflow == 0 for r in records)
+        assert f"at most {max(r.low_error for r in records):.3g}" in suggestion.text
+
+
+def test_steps_keep_the_worst_figure_of_each_node():
+    torch.manual_seed(0)
+    model = gpt2()
+    model.config.resid_pdrop = 0.1
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.1
+    one = graphamp.doctor(model, (), gpt2_batch(), amp_lists=BF16, steps=1)
+    three = graphamp.doctor(model, (), gpt2_batch(), amp_lists=BF16, steps=3)
+
+    pairs = [(a, b) for a, b in zip(one.nodes, three.nodes) if a.error is not None]
+    assert [a.name for a, _ in pairs] == [b.name for _, b in pairs]
+    assert all(b.error >= a.error for a, b in pairs)
+    assert any(b.error > a.error for a, b in pairs)  # dropout drew other masks in the later steps
+
+
+def test_a_gradient_that_overflows_is_found_in_backward():
+    torch.manual_seed(0)
+    model = gpt2()
+
+    report = graphamp.doctor(model, (), gpt2_batch(), amp_lists=FP16, loss_scaling=2.0**40)
+
+    assert report.first_nonfinite is None
+    culprit = report.first_nonfinite_grad
+    assert culprit is not None and culprit.grad_nonfinite and culprit.runs_in == "float16"
+
+
+def test_doctor_leaves_the_model_as_it_was():
+    torch.manual_seed(0)
+    model = SmallResNet().train()
+    images, labels = digits(16)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+
+    graphamp.doctor(model, (images,), amp_lists=BF16, loss_fn=lambda logits: torch.nn.functional.cross_entropy(logits, labels))
+
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
+def test_a_model_without_a_loss_is_measured_forward_and_with_loss_fn_backward_too():
+    torch.manual_seed(0)
+    model = SmallResNet()
+    images, labels = digits(16)
+
+    forward_only = graphamp.doctor(model, (images,), amp_lists=BF16)
+    with_loss = graphamp.doctor(model, (images,), amp_lists=BF16, loss_fn=lambda out: out.logsumexp(-1).mean())
+
+    assert not forward_only.backward and forward_only.loss is None and forward_only.parameters == []
+    assert forward_only.output_error < 0.05
+    assert with_loss.backward and with_loss.parameters
+    assert with_loss.loss["relative_error"] < 0.05
+
+
+def test_doctor_rejects_a_step_count_that_is_not_positive():
+    model, inputs = squared_energy()
+
+    with pytest.raises(ValueError, match="steps=0"):
+        graphamp.doctor(model, inputs, steps=0)
+
+
+def test_report_prints_the_culprit_the_offenders_and_the_fix():
+    model, inputs = pooled_sum()
+
+    text = str(graphamp.doctor(model, inputs, amp_lists=FP16))
+
+    assert "first inf/NaN (forward): linear_1 = linear.default in pool, FP32 max |x| 8.8" in text
+    offenders = text.split("top ")[1].splitlines()
+    assert offenders[2].split()[:3] == ["linear_1", "linear.default", "pool"]  # the worst first
+    assert "module `pool` → custom_black_modules" in text and "[verified" in text
