@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import math
 
-from graphamp.report_page import _STYLE, _e
+from graphamp.report_page import PAGE_STYLE, escape
 
-_PAGE_STYLE = _STYLE + "tr.bad td { background: #fde0e0; } .ok { color: #2a7a2a; } .unsure { color: #a06000; }\n"
+_STYLE = PAGE_STYLE + "tr.bad td { background: #fde0e0; } .ok { color: #2a7a2a; } .unsure { color: #a06000; }\n"
 _W, _H, _LEFT, _RIGHT, _TOP, _BOTTOM = 1000, 360, 60, 160, 20, 40  # the right margin holds the legend
 _ERROR, _RANGE, _BAD = "#1f77b4", "#ff7f0e", "#d62728"
 _HALO = 'stroke="white" stroke-width="3" paint-order="stroke"'  # keeps a label readable over thousands of points
@@ -30,7 +30,7 @@ def render_doctor_page(report: dict) -> str:
     """report.html's text."""
     title = f"{report['model']} · {report['dtype']} · {report['level']}"
     sections = [
-        f"<h1>graphamp doctor: {_e(title)}</h1>",
+        f"<h1>graphamp doctor: {escape(title)}</h1>",
         _verdict(report),
         _suggestions_section(report.get("suggestions") or []),
         "<h2>Top offenders</h2>\n" + _node_table(report.get("top_offenders") or [], _OFFENDER_COLUMNS),
@@ -39,8 +39,8 @@ def render_doctor_page(report: dict) -> str:
         "<h2>All nodes</h2>\n" + _node_table(report.get("nodes") or [], _NODE_COLUMNS),
     ]
     return (
-        f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n<title>graphamp doctor: {_e(title)}'
-        f"</title>\n<style>{_PAGE_STYLE}</style>\n</head>\n<body>\n" + "\n".join(sections) + "\n</body>\n</html>\n"
+        f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n<title>graphamp doctor: {escape(title)}'
+        f"</title>\n<style>{_STYLE}</style>\n</head>\n<body>\n" + "\n".join(sections) + "\n</body>\n</html>\n"
     )
 
 
@@ -48,26 +48,26 @@ def _verdict(report: dict) -> str:
     dtype, first, grad = report["dtype"], report.get("first_nonfinite"), report.get("first_nonfinite_grad")
     if first:
         said = [
-            f"<b>Not finite.</b> The first node whose {_e(dtype)} output is inf/NaN is {_where(first)}: its FP32 "
-            f"max |x| is {_num(first.get('max_abs_fp32'))} against the {_e(dtype)} max {_num(report.get('dtype_max'))}."
+            f"<b>Not finite.</b> The first node whose {escape(dtype)} output is inf/NaN is {_where(first)}: its FP32 "
+            f"max |x| is {_num(first.get('max_abs_fp32'))} against the {escape(dtype)} max {_num(report.get('dtype_max'))}."
         ]
     else:
-        said = [f"<b>Finite.</b> Every node's {_e(dtype)} output is finite."]
+        said = [f"<b>Finite.</b> Every node's {escape(dtype)} output is finite."]
     if grad:
         said.append(f"The first node whose output gradient is inf/NaN (backward order) is {_where(grad)}.")
     else:
         said.append("Every gradient compared is finite." if report.get("backward") else "Gradients were not compared.")
     if (loss := report.get("loss")) is not None:
-        said.append(f"Loss: FP32 {_num(loss.get('fp32'))}, {_e(dtype)} {_num(loss.get('amp'))}, "
+        said.append(f"Loss: FP32 {_num(loss.get('fp32'))}, {escape(dtype)} {_num(loss.get('amp'))}, "
                     f"relative error {_num(loss.get('relative_error'))}.")
     said.append(f"Relative error of the outputs vs FP32: {_num(report.get('output_error'))} "
-                f"(worst of {_e(report.get('steps', 1))} step(s)).")
+                f"(worst of {escape(report.get('steps', 1))} step(s)).")
     return '<p class="verdict">' + " ".join(said) + "</p>"
 
 
 def _where(record: dict) -> str:
-    return (f"<code>{_e(record.get('node'))}</code> (<code>{_e(record.get('op'))}</code> in module "
-            f"<code>{_e(record.get('module') or '(top level)')}</code>)")
+    return (f"<code>{escape(record.get('node'))}</code> (<code>{escape(record.get('op'))}</code> in module "
+            f"<code>{escape(record.get('module') or '(top level)')}</code>)")
 
 
 def _suggestions_section(suggestions: list) -> str:
@@ -75,14 +75,14 @@ def _suggestions_section(suggestions: list) -> str:
         return "<h2>Suggestions</h2>\n<p>None: no list change is suggested.</p>"
     marks = {True: '<span class="ok" title="a rerun with it applied is finite">(verified)</span>',
              False: '<span class="unsure">(not verified)</span>'}
-    items = "\n".join(f"<li>{_e(s['text'])} {marks[bool(s.get('verified'))]}</li>" for s in suggestions)
+    items = "\n".join(f"<li>{escape(s['text'])} {marks[bool(s.get('verified'))]}</li>" for s in suggestions)
     return f"<h2>Suggestions</h2>\n<ul>\n{items}\n</ul>"
 
 
 def _node_table(nodes: list, columns: list) -> str:
     if not nodes:
         return "<p>None: no nodes were measured.</p>"
-    head = "".join(f"<th>{_e(header)}</th>" for header, _ in columns)
+    head = "".join(f"<th>{escape(header)}</th>" for header, _ in columns)
     rows = "\n".join(
         ("<tr class=bad>" if node.get("nonfinite") or node.get("grad_nonfinite") else "<tr>")
         + "".join(_cell(key, node.get(key)) for _, key in columns) + "</tr>"
@@ -96,7 +96,7 @@ def _cell(key: str, value) -> str:
         return f"<td class=n>{_num(None if value is None else value * 100)}</td>"
     if key in _NUMERIC:
         return f"<td class=n>{_num(value)}</td>"
-    text = _e("-" if value is None else value)
+    text = escape("-" if value is None else value)
     return f"<td><code>{text}</code></td>" if key in ("name", "op") else f"<td>{text}</td>"
 
 
@@ -105,7 +105,7 @@ def _parameters_section(parameters: list, limit: int = 50) -> str:
         return "<h2>Parameter gradients</h2>\n<p>None: no parameter gradients were compared.</p>"
     worst_first = sorted(parameters, key=lambda p: -_badness(p.get("grad_error"), p.get("grad_nonfinite")))
     rows = "\n".join(
-        ("<tr class=bad>" if p.get("grad_nonfinite") else "<tr>") + f"<td><code>{_e(p['name'])}</code></td>"
+        ("<tr class=bad>" if p.get("grad_nonfinite") else "<tr>") + f"<td><code>{escape(p['name'])}</code></td>"
         f"<td class=n>{_num(p.get('grad_error'))}</td><td class=n>{_num(p.get('grad_max_abs'))}</td>"
         f"<td>{'yes' if p.get('grad_nonfinite') else 'no'}</td></tr>"
         for p in worst_first[:limit]
@@ -188,7 +188,7 @@ def _plot(nodes: list, dtype_max, first_nonfinite) -> str:
         side = 'dx="4"' if first_x < x_max / 2 else 'dx="-4" text-anchor="end"'
         parts.append(f'<g class="first-nonfinite"><line x1="{x}" y1="{_TOP}" x2="{x}" y2="{_TOP + height}" '
                      f'stroke="{_BAD}" stroke-dasharray="3 3"/><text x="{x}" y="{_TOP + 24}" {side} '
-                     f'fill="{_BAD}" {_HALO}>first non-finite: {_e(first)}</text></g>')
+                     f'fill="{_BAD}" {_HALO}>first non-finite: {escape(first)}</text></g>')
     parts.append(_legend())
     return (f'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {_W} {_H}" width="100%" '
             f'style="max-width:{_W}px" font-family="Helvetica, Arial, sans-serif" font-size="11">\n'
@@ -197,7 +197,7 @@ def _plot(nodes: list, dtype_max, first_nonfinite) -> str:
 
 def _tooltip(node: dict, dtype_max) -> str:
     ratio = node["max_abs"] / dtype_max if dtype_max and node.get("max_abs") is not None else None
-    return _e(f"#{node.get('index')} {node.get('name')} ({node.get('op')}, {node.get('module') or '(top level)'}): "
+    return escape(f"#{node.get('index')} {node.get('name')} ({node.get('op')}, {node.get('module') or '(top level)'}): "
               f"error {_num(node.get('error'))}, local error {_num(node.get('local_error'))}, max |x| "
               f"{_num(node.get('max_abs'))} ({_num(ratio)} of dtype max), grad error {_num(node.get('grad_error'))}")
 
@@ -206,7 +206,7 @@ def _legend() -> str:
     x, y = _W - _RIGHT + 14, _TOP + 10
     entries = [(_ERROR, "relative error"), (_RANGE, "max |x| / dtype max"), (_BAD, "non-finite (clamped)")]
     marks = [f'<circle cx="{x}" cy="{y + 18 * i}" r="3.5" fill="{colour}"/>'
-             f'<text x="{x + 10}" y="{y + 18 * i}" dominant-baseline="middle">{_e(what)}</text>'
+             f'<text x="{x + 10}" y="{y + 18 * i}" dominant-baseline="middle">{escape(what)}</text>'
              for i, (colour, what) in enumerate(entries)]
     marks.append(f'<line x1="{x - 6}" y1="{y + 54}" x2="{x + 6}" y2="{y + 54}" stroke="#555" stroke-dasharray="4 2"/>'
                  f'<text x="{x + 10}" y="{y + 54}" dominant-baseline="middle">dtype max</text>')

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from graphamp.graph_picture import CAST_FILL, FILL, OTHER_FILL, runs_in
 
 _DECISION_ORDER = {"white": 0, "black": 1, "gray": 2, "unlisted": 3, "explicit-cast": 4, "inserted-cast": 5}
-_STYLE = """
+PAGE_STYLE = """
 body { font-family: Helvetica, Arial, sans-serif; margin: 2em; color: #222; max-width: 1200px; }
 h1 { font-size: 1.4em; } h2 { font-size: 1.15em; margin-top: 1.6em; }
 table { border-collapse: collapse; font-size: 0.9em; }
@@ -39,21 +39,21 @@ class CastCounts:
 def render_report(summary: dict, svg: str, casts: CastCounts, title: str) -> str:
     """report.html's text."""
     sections = [
-        f"<h1>graphamp: {_e(title)}</h1>",
+        f"<h1>graphamp: {escape(title)}</h1>",
         _casts_section(summary, casts),
         _picture_section(svg),
         _unlisted_section(summary),
         _ops_section(summary),
     ]
     return (
-        f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n<title>graphamp: {_e(title)}</title>\n'
-        f"<style>{_STYLE}</style>\n</head>\n<body>\n" + "\n".join(sections) + "\n</body>\n</html>\n"
+        f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n<title>graphamp: {escape(title)}</title>\n'
+        f"<style>{PAGE_STYLE}</style>\n</head>\n<body>\n" + "\n".join(sections) + "\n</body>\n</html>\n"
     )
 
 
 def _casts_section(summary: dict, casts: CastCounts) -> str:
     passes = "forward and backward" if casts.backward else "forward only (the model returns no scalar loss)"
-    autocast = casts.autocast if casts.autocast is not None else f"not measured: {_e(casts.autocast_error)}"
+    autocast = casts.autocast if casts.autocast is not None else f"not measured: {escape(casts.autocast_error)}"
     return (
         "<h2>Casts</h2>\n"
         f"<p>The cast pass inserted <b>{summary['casts']}</b> cast nodes into the graph "
@@ -71,7 +71,7 @@ def _picture_section(svg: str) -> str:
     # The SVG goes inline: the page must stand alone. Its XML prologue is not allowed inside HTML.
     inline = re.sub(r"^.*?(?=<svg)", "", svg, count=1, flags=re.S)
     legend = " ".join(
-        f'<span class=swatch style="background:{colour}"></span> {_e(what)}'
+        f'<span class=swatch style="background:{colour}"></span> {escape(what)}'
         for colour, what in [
             (FILL["bfloat16"], "runs in float16/bfloat16"), (FILL["float32"], "runs in float32"),
             (OTHER_FILL, "integer / bool"), (CAST_FILL, "inserted cast (hexagon)"),
@@ -90,7 +90,7 @@ def _unlisted_section(summary: dict) -> str:
     if not unlisted:
         return "<h2>Unlisted ops</h2>\n<p>None: every op of this graph is on a list.</p>"
     rows = "\n".join(
-        f"<tr><td><code>{_e(op)}</code></td><td class=n>{count}</td></tr>" for op, count in unlisted.items()
+        f"<tr><td><code>{escape(op)}</code></td><td class=n>{count}</td></tr>" for op, count in unlisted.items()
     )
     return (
         "<h2>Unlisted ops</h2>\n"
@@ -109,8 +109,8 @@ def _ops_section(summary: dict) -> str:
         groups[record["op"], runs_in(record) or record["out_dtype"] or "-", record["decision"], source] += 1
     ordered = sorted(groups.items(), key=lambda item: (_DECISION_ORDER.get(item[0][2], 9), -item[1], item[0][0]))
     rows = "\n".join(
-        f"<tr><td><code>{_e(op)}</code></td><td class=n>{count}</td><td>{_e(dtype)}</td><td>{_e(decision)}</td>"
-        f"<td>{_e(source)}</td></tr>"
+        f"<tr><td><code>{escape(op)}</code></td><td class=n>{count}</td><td>{escape(dtype)}</td><td>{escape(decision)}</td>"
+        f"<td>{escape(source)}</td></tr>"
         for (op, dtype, decision, source), count in ordered
     )
     return (
@@ -119,5 +119,5 @@ def _ops_section(summary: dict) -> str:
     )
 
 
-def _e(text) -> str:
+def escape(text) -> str:
     return html.escape(str(text))
