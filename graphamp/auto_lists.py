@@ -18,9 +18,7 @@ from torch import nn
 from graphamp.cast_pass import check_level
 from graphamp.list_writer import write_lists
 from graphamp.lists import BLACK, WHITE, AutoMixedPrecisionLists, dtype_name
-from graphamp.probe import NodeNumerics, Probe
-
-_DECIDED = (WHITE, BLACK, "gray", "unlisted")
+from graphamp.probe import LIST_DECISIONS, NodeNumerics, Probe
 
 
 @dataclass
@@ -134,7 +132,7 @@ def _cost_of_running_low(nodes: list[NodeNumerics], amp_lists: AutoMixedPrecisio
     cannot run low are left out."""
     cost: dict[str, float] = {}
     for record in nodes:
-        if record.decision not in _DECIDED or record.runs_in is None:
+        if record.decision not in LIST_DECISIONS or record.runs_in is None:
             continue
         if record.low_error is None:
             cost[record.entry] = math.nan  # marks the entry as unable to run low

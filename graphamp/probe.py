@@ -27,13 +27,14 @@ from torch.fx.node import map_arg
 
 from graphamp.capture import capture
 from graphamp.cast_pass import (
-    EXPLICIT_CAST, INSERTED_CAST, _inputs_where, _norm_parameter_inputs, insert_casts, module_path, node_dtype,
+    EXPLICIT_CAST, INSERTED_CAST, UNLISTED, _inputs_where, _norm_parameter_inputs, insert_casts, module_path, node_dtype,
 )
-from graphamp.lists import AutoMixedPrecisionLists, dtype_name, op_lookup_keys
+from graphamp.lists import BLACK, GRAY, WHITE, AutoMixedPrecisionLists, dtype_name, op_lookup_keys
 from graphamp.module import device_of, check_dtype_runs_on, check_master_weights, fp32_placeholders
 from graphamp.numerics import floating_leaves, nonfinite_where_finite, range_in, relative_error
 
 _INDEX = "graphamp_doctor_index"  # meta key: a node's place in the captured graph, kept by the rewritten copy
+LIST_DECISIONS = (WHITE, BLACK, GRAY, UNLISTED)  # the ops the lists decide (not the model's casts, not ours)
 
 
 @dataclass
@@ -139,7 +140,7 @@ class Probe:
         """Run the FP32 graph, keeping every node's value and (with backward) the gradient reaching it."""
         reference = Reference(seed)
 
-        def observe(node, value, interpreter):
+        def observe(node, value):
             reference.values[node.meta[_INDEX]] = value
             if backward and _is_op(node):
                 for position, tensor in enumerate(floating_leaves(value)):
@@ -157,11 +158,10 @@ class Probe:
         graph_module, casts = self.rewritten(amp_lists)
         low = amp_lists.dtype
         nodes: list[NodeNumerics] = []
-        by_index: dict[int, NodeNumerics] = {}
         aligned: dict[Node, object] = {}
         grad_order: list[NodeNumerics] = []
 
-        def observe(node, value, interpreter):
+        def observe(node, value):
             if not _is_op(node) or _INDEX not in node.meta:
                 return  # graphamp's casts and getitems are measured through the ops that read them
             index = node.meta[_INDEX]
@@ -176,7 +176,6 @@ class Probe:
                 runs_low = record.runs_in == dtype_name(low)
                 record.low_error = record.local_error if runs_low else self._low_error(node, reference, low, aligned)
             nodes.append(record)
-            by_index[index] = record
             for position, tensor in enumerate(floating_leaves(value)):
                 if tensor.requires_grad and (index, position) in reference.grads:
                     tensor.register_hook(
@@ -248,7 +247,7 @@ class _Observed(Interpreter):
     def run_node(self, node):
         value = super().run_node(node)
         if self.observe is not None:
-            self.observe(node, value, self)
+            self.observe(node, value)
         return value
 
 

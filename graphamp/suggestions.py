@@ -17,7 +17,7 @@ import torch
 
 from graphamp.lists import BLACK, WHITE, AutoMixedPrecisionLists, dtype_name
 from graphamp.numerics import unit_roundoff
-from graphamp.probe import Comparison, NodeNumerics, Probe, Reference
+from graphamp.probe import LIST_DECISIONS, Comparison, NodeNumerics, Probe, Reference
 
 BLACK_OP, BLACK_MODULE, WHITE_OP = "black_op", "black_module", "white_op"
 MAX_FIX_ROUNDS = 8
@@ -68,7 +68,7 @@ def accuracy_and_speed(nodes: list[NodeNumerics], dtype: torch.dtype, taken: set
     low = dtype_name(dtype)
     by_entry: dict[str, list[NodeNumerics]] = {}
     for record in nodes:
-        if record.decision in (WHITE, BLACK, "gray", "unlisted") and record.runs_in is not None:
+        if record.decision in LIST_DECISIONS and record.runs_in is not None:
             by_entry.setdefault(record.entry, []).append(record)
     suggestions = []
     for entry, records in sorted(by_entry.items()):
