@@ -182,7 +182,7 @@ class _CastPass:
         decision, source = self._decide(node)
         self.report.decisions[decision] += 1
         node.meta["graphamp"] = {"decision": decision, "source": source, "module": module_path(node)}
-        mutated = _inputs_where(node, lambda arg: arg.alias_info is not None and arg.alias_info.is_write)
+        mutated = written_inputs(node)
         left_alone = mutated | _norm_parameter_inputs(node)
         floats = [n for n in node.all_input_nodes if _is_castable(n) and n not in left_alone]
         target = None if decision == EXPLICIT_CAST else self._target_dtype(decision, floats)
@@ -327,6 +327,11 @@ def _inputs_where(node: Node, predicate) -> set[Node]:
             value = node.kwargs.get(argument.name, node.args[index] if index < len(node.args) else None)
             map_arg(value, found.add)
     return found
+
+
+def written_inputs(node: Node) -> set[Node]:
+    """The inputs an op writes into in place (`relu_`'s self, `add_`'s self, an `out=` tensor)."""
+    return _inputs_where(node, lambda argument: argument.alias_info is not None and argument.alias_info.is_write)
 
 
 def _norm_parameter_inputs(node: Node) -> set[Node]:

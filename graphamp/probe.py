@@ -27,7 +27,7 @@ from torch.fx.node import map_arg
 
 from graphamp.capture import capture
 from graphamp.cast_pass import (
-    EXPLICIT_CAST, INSERTED_CAST, UNLISTED, _inputs_where, _norm_parameter_inputs, insert_casts, module_path, node_dtype,
+    EXPLICIT_CAST, INSERTED_CAST, UNLISTED, _norm_parameter_inputs, insert_casts, module_path, node_dtype, written_inputs,
 )
 from graphamp.lists import BLACK, GRAY, WHITE, AutoMixedPrecisionLists, dtype_name, op_lookup_keys
 from graphamp.module import device_of, check_dtype_runs_on, check_master_weights, fp32_placeholders
@@ -109,6 +109,13 @@ class Probe:
         self.user_inputs = pytree.tree_leaves((example_args, kwargs))
         for index, node in enumerate(self.captured.graph_module.graph.nodes):
             node.meta[_INDEX] = index
+        # Values a later op writes into (BatchNorm's output under ReLU(inplace=True)) are kept as copies.
+        self._overwritten = {
+            value.meta[_INDEX]
+            for node in self.captured.graph_module.graph.nodes
+            if node.op == "call_function" and isinstance(node.target, OpOverload)
+            for value in written_inputs(node)
+        }
         names = self.captured.parameter_placeholders
         placeholders = self.captured.graph_module.graph.find_nodes(op="placeholder")
         # Leaf copies of the parameters: autograd.grad on them leaves the model's own .grad alone.
@@ -141,11 +148,13 @@ class Probe:
         reference = Reference(seed)
 
         def observe(node, value):
-            reference.values[node.meta[_INDEX]] = value
+            index = node.meta[_INDEX]
+            copied = index in self._overwritten
+            reference.values[index] = pytree.tree_map_only(torch.Tensor, torch.clone, value) if copied else value
             if backward and _is_op(node):
                 for position, tensor in enumerate(floating_leaves(value)):
                     if tensor.requires_grad:
-                        key = (node.meta[_INDEX], position)
+                        key = (index, position)
                         tensor.register_hook(lambda grad, key=key: reference.grads.__setitem__(key, grad.detach()))
 
         reference.outputs, reference.loss, reference.parameter_grads = self._run(
@@ -261,7 +270,7 @@ def _reruns(node: Node) -> bool:
         return False
     if node.meta.get("graphamp", {}).get("decision") in (EXPLICIT_CAST, INSERTED_CAST):
         return False
-    return not _inputs_where(node, lambda argument: argument.alias_info is not None and argument.alias_info.is_write)
+    return not written_inputs(node)
 
 
 def _draws_random_numbers(node: Node) -> bool:

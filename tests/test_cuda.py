@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import graphamp
-from models import LSTMClassifier, SmallResNet, bert, digits, gpt2, token_batch
+from models import LSTMClassifier, PooledSum, SmallResNet, bert, digits, gpt2, large_inputs, token_batch
 from graphamp.recording import DtypeRecorder
 from training import mean_loss_of_first_and_last_epoch, relative_error
 
@@ -180,3 +180,16 @@ def test_cuda_compiled_backward_keeps_black_modules_in_fp32(dtype):
 
     backward_matmuls = post_grad_graphs[-1]
     assert backward_matmuls == {(16, 48): torch.float32, (24, 48): torch.float32, (48, 32): DTYPES[dtype]}
+
+
+def test_cuda_doctor_finds_the_float16_overflow_and_its_verified_fix():
+    torch.manual_seed(0)
+    model = PooledSum().to(DEVICE)
+    x, target = (t.to(DEVICE) for t in large_inputs(8, 256, 16))
+
+    report = graphamp.doctor(model, (x, target), amp_lists=graphamp.AutoMixedPrecisionLists(dtype="float16"))
+
+    assert (report.first_nonfinite.module, report.first_nonfinite.runs_in) == ("pool", "float16")
+    fixes = [(s.kind, s.target, s.verified) for s in report.suggestions if s.kind != "white_op"]
+    assert fixes == [("black_module", "pool", True)]
+    assert graphamp.doctor(model, (x, target), amp_lists=report.suggested_lists()).finite

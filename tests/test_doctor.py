@@ -176,6 +176,31 @@ def test_black_ops_that_fit_the_low_dtype_are_offered_as_white_with_their_error(
         assert f"at most {max(r.low_error for r in records):.3g}" in suggestion.text
 
 
+def test_a_value_an_in_place_op_writes_into_later_is_measured_as_it_was():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(inplace=True), torch.nn.Linear(32, 4)
+    )
+
+    report = graphamp.doctor(model, (torch.randn(8, 16),), amp_lists=BF16, loss_fn=lambda out: out.square().mean())
+
+    norm = next(r for r in report.nodes if r.op == "batch_norm.default")
+    assert norm.runs_in == "bfloat16"
+    assert norm.error < 8 * unit_roundoff(torch.bfloat16)  # not relu_'s result, which overwrote it
+
+
+def test_o2_runs_the_gray_ops_low_too(gpt2_bf16_report):
+    model, o1 = gpt2_bf16_report
+
+    o2 = graphamp.doctor(model, (), gpt2_batch(), amp_lists=BF16, level="O2")
+
+    def low(report):
+        return sum(r.runs_in == "bfloat16" for r in report.nodes)
+
+    assert low(o2) > low(o1)
+    assert o2.finite and o2.loss["relative_error"] < 1e-2
+
+
 def test_steps_keep_the_worst_figure_of_each_node():
     torch.manual_seed(0)
     model = gpt2()
