@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from graphamp.cast_pass import check_level
-from graphamp.doctor_page import render_doctor_page
+from graphamp.doctor_page import format_number, render_doctor_page
 from graphamp.list_writer import write_lists
 from graphamp.lists import AutoMixedPrecisionLists, dtype_name
 from graphamp.numerics import relative_error
@@ -251,21 +251,21 @@ def format_report(report: DoctorReport, count: int = 10) -> str:
     if report.first_nonfinite is not None:
         r = report.first_nonfinite
         lines.append(f"  first inf/NaN (forward): {r.name} = {r.op} in {r.module or '(top level)'}, "
-                     f"FP32 max |x| {_fmt(r.max_abs)} vs {low} max {_fmt(torch.finfo(report.dtype).max)}")
+                     f"FP32 max |x| {format_number(r.max_abs)} vs {low} max {format_number(torch.finfo(report.dtype).max)}")
     if report.first_nonfinite_grad is not None:
         r = report.first_nonfinite_grad
         lines.append(f"  first inf/NaN (backward): gradient of {r.name} = {r.op} in {r.module or '(top level)'}")
     if report.finite:
         lines.append("  no inf/NaN: the rewritten run is finite forward and backward")
     if report.loss is not None:
-        lines.append(f"  loss: FP32 {_fmt(report.loss['fp32'])}, {low} {_fmt(report.loss['amp'])} "
-                     f"(relative error {_fmt(report.loss['relative_error'])})")
-    lines.append(f"  outputs: relative error {_fmt(report.output_error)}")
+        lines.append(f"  loss: FP32 {format_number(report.loss['fp32'])}, {low} {format_number(report.loss['amp'])} "
+                     f"(relative error {format_number(report.loss['relative_error'])})")
+    lines.append(f"  outputs: relative error {format_number(report.output_error)}")
     header = ("node", "op", "module", "decision", "runs in", "max |x|", "overflow", "underflow", "error",
               "own error", "grad error")
     rows = [header] + [
-        (r.name, r.op, r.module or "-", r.decision, r.runs_in or "-", _fmt(r.max_abs), f"{r.overflow:.1%}",
-         f"{r.underflow:.1%}", _fmt(r.error), _fmt(r.local_error), _fmt(r.grad_error))
+        (r.name, r.op, r.module or "-", r.decision, r.runs_in or "-", format_number(r.max_abs), f"{r.overflow:.1%}",
+         f"{r.underflow:.1%}", format_number(r.error), format_number(r.local_error), format_number(r.grad_error))
         for r in report.top_offenders(count)
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
@@ -278,10 +278,3 @@ def format_report(report: DoctorReport, count: int = 10) -> str:
         lines.append(f"  - {s.text}" + ("  [verified: the rerun is finite]" if s.verified else ""))
     return "\n".join(lines)
 
-
-def _fmt(value) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    return f"{value:.3g}"

@@ -49,7 +49,7 @@ def _verdict(report: dict) -> str:
     if first:
         said = [
             f"<b>Not finite.</b> The first node whose {escape(dtype)} output is inf/NaN is {_where(first)}: its FP32 "
-            f"max |x| is {_num(first.get('max_abs_fp32'))} against the {escape(dtype)} max {_num(report.get('dtype_max'))}."
+            f"max |x| is {format_number(first.get('max_abs_fp32'))} against the {escape(dtype)} max {format_number(report.get('dtype_max'))}."
         ]
     else:
         said = [f"<b>Finite.</b> Every node's {escape(dtype)} output is finite."]
@@ -58,9 +58,9 @@ def _verdict(report: dict) -> str:
     else:
         said.append("Every gradient compared is finite." if report.get("backward") else "Gradients were not compared.")
     if (loss := report.get("loss")) is not None:
-        said.append(f"Loss: FP32 {_num(loss.get('fp32'))}, {escape(dtype)} {_num(loss.get('amp'))}, "
-                    f"relative error {_num(loss.get('relative_error'))}.")
-    said.append(f"Relative error of the outputs vs FP32: {_num(report.get('output_error'))} "
+        said.append(f"Loss: FP32 {format_number(loss.get('fp32'))}, {escape(dtype)} {format_number(loss.get('amp'))}, "
+                    f"relative error {format_number(loss.get('relative_error'))}.")
+    said.append(f"Relative error of the outputs vs FP32: {format_number(report.get('output_error'))} "
                 f"(worst of {escape(report.get('steps', 1))} step(s)).")
     return '<p class="verdict">' + " ".join(said) + "</p>"
 
@@ -93,9 +93,9 @@ def _node_table(nodes: list, columns: list) -> str:
 
 def _cell(key: str, value) -> str:
     if key in ("overflow", "underflow"):
-        return f"<td class=n>{_num(None if value is None else value * 100)}</td>"
+        return f"<td class=n>{format_number(None if value is None else value * 100)}</td>"
     if key in _NUMERIC:
-        return f"<td class=n>{_num(value)}</td>"
+        return f"<td class=n>{format_number(value)}</td>"
     text = escape("-" if value is None else value)
     return f"<td><code>{text}</code></td>" if key in ("name", "op") else f"<td>{text}</td>"
 
@@ -106,7 +106,7 @@ def _parameters_section(parameters: list, limit: int = 50) -> str:
     worst_first = sorted(parameters, key=lambda p: -_badness(p.get("grad_error"), p.get("grad_nonfinite")))
     rows = "\n".join(
         ("<tr class=bad>" if p.get("grad_nonfinite") else "<tr>") + f"<td><code>{escape(p['name'])}</code></td>"
-        f"<td class=n>{_num(p.get('grad_error'))}</td><td class=n>{_num(p.get('grad_max_abs'))}</td>"
+        f"<td class=n>{format_number(p.get('grad_error'))}</td><td class=n>{format_number(p.get('grad_max_abs'))}</td>"
         f"<td>{'yes' if p.get('grad_nonfinite') else 'no'}</td></tr>"
         for p in worst_first[:limit]
     )
@@ -198,8 +198,8 @@ def _plot(nodes: list, dtype_max, first_nonfinite) -> str:
 def _tooltip(node: dict, dtype_max) -> str:
     ratio = node["max_abs"] / dtype_max if dtype_max and node.get("max_abs") is not None else None
     return escape(f"#{node.get('index')} {node.get('name')} ({node.get('op')}, {node.get('module') or '(top level)'}): "
-              f"error {_num(node.get('error'))}, local error {_num(node.get('local_error'))}, max |x| "
-              f"{_num(node.get('max_abs'))} ({_num(ratio)} of dtype max), grad error {_num(node.get('grad_error'))}")
+              f"error {format_number(node.get('error'))}, local error {format_number(node.get('local_error'))}, max |x| "
+              f"{format_number(node.get('max_abs'))} ({format_number(ratio)} of dtype max), grad error {format_number(node.get('grad_error'))}")
 
 
 def _legend() -> str:
@@ -213,7 +213,7 @@ def _legend() -> str:
     return '<g class="legend">' + "".join(marks) + "</g>"
 
 
-def _num(value) -> str:
+def format_number(value) -> str:
     """3 significant digits: plain from 0.01 to 1000, exponent outside; '-' for not measured."""
     if value is None:
         return "-"

@@ -194,10 +194,12 @@ class Probe:
                     )
 
         outputs, loss, parameter_grads = self._run(graph_module, reference.seed, observe, backward, self.loss_scaling)
+        # Under an inf/NaN loss every gradient is NaN: a first one in backward would name nothing.
+        finite_loss = loss is None or bool(torch.isfinite(loss))
         return Comparison(
             nodes=nodes,
             first_nonfinite=next((r for r in nodes if r.nonfinite), None),
-            first_nonfinite_grad=next((r for r in grad_order if r.grad_nonfinite), None),
+            first_nonfinite_grad=next((r for r in grad_order if r.grad_nonfinite), None) if finite_loss else None,
             output_error=relative_error(outputs, reference.outputs),
             loss=loss,
             parameter_grads=parameter_grads,

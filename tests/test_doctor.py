@@ -56,6 +56,7 @@ def test_overflow_in_a_white_op_is_found_at_its_node():
     assert culprit.max_abs > FP16_MAX and culprit.overflow > 0
     assert all(not r.nonfinite for r in report.nodes[: report.nodes.index(culprit)])
     assert not report.finite and math.isnan(report.loss["amp"]) and math.isfinite(report.loss["fp32"])
+    assert report.first_nonfinite_grad is None  # under a NaN loss every gradient is NaN: none is first
 
 
 def test_a_white_op_that_overflows_gets_its_module_kept_fp32_verified():
