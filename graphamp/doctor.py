@@ -22,7 +22,7 @@ from graphamp.lists import AutoMixedPrecisionLists, dtype_name
 from graphamp.numerics import relative_error
 from graphamp.probe import NodeNumerics, Probe
 from graphamp.suggestions import (
-    BLACK_MODULE, WHITE_OP, Suggestion, accuracy_and_speed, fixes_for_nonfinite, lists_with,
+    BLACK_MODULE, WHITE_OP, Suggestion, accuracy_and_speed, fixes_for_nonfinite, lists_with, measured_on_the_loss,
 )
 
 
@@ -156,9 +156,11 @@ def doctor(
             first_reference, first_comparison = reference, comparison
         else:
             _merge(report, comparison, reference)
-    report.suggestions = fixes_for_nonfinite(probe, amp_lists, first_reference, first_comparison)
-    taken = {s.target for s in report.suggestions}
-    report.suggestions += accuracy_and_speed(report.nodes, amp_lists.dtype, taken)
+    fixes = fixes_for_nonfinite(probe, amp_lists, first_reference, first_comparison)
+    candidates = accuracy_and_speed(report.nodes, amp_lists.dtype, {s.target for s in fixes})
+    if all(s.verified for s in fixes):  # on a run that is finite, each candidate's effect on the loss is measured
+        candidates = measured_on_the_loss(probe, amp_lists, first_reference, fixes, candidates)
+    report.suggestions = fixes + candidates
     return report
 
 
@@ -275,6 +277,6 @@ def format_report(report: DoctorReport, count: int = 10) -> str:
     lines.append("")
     lines.append("suggestions:" if report.suggestions else "suggestions: none")
     for s in report.suggestions:
-        lines.append(f"  - {s.text}" + ("  [verified: the rerun is finite]" if s.verified else ""))
+        lines.append(f"  - {s.text}" + ("  [verified by a rerun]" if s.verified else ""))
     return "\n".join(lines)
 

@@ -73,7 +73,7 @@ def _where(record: dict) -> str:
 def _suggestions_section(suggestions: list) -> str:
     if not suggestions:
         return "<h2>Suggestions</h2>\n<p>None: no list change is suggested.</p>"
-    marks = {True: '<span class="ok" title="a rerun with it applied is finite">(verified)</span>',
+    marks = {True: '<span class="ok" title="a rerun with it applied is finite, or its loss error at least halves">(verified)</span>',
              False: '<span class="unsure">(not verified)</span>'}
     items = "\n".join(f"<li>{escape(s['text'])} {marks[bool(s.get('verified'))]}</li>" for s in suggestions)
     return f"<h2>Suggestions</h2>\n<ul>\n{items}\n</ul>"

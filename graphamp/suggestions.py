@@ -4,14 +4,17 @@
   a white op (a GEMM: keeping that op FP32 everywhere would cost every GEMM's speed), else its list entry
   onto black.txt under the dtype's section. Each fix is applied and the model run again, until the run is
   finite (the fixes are then *verified*) or no new fix is found.
-- Accuracy: ops that run low with a local error far above the dtype's rounding go black (not verified).
+- Accuracy: an op that runs low with its own error far above the dtype's rounding goes FP32 (a white op's
+  module, another op's entry), but only where a rerun shows the loss error at least halves: an error made
+  upstream and only amplified here (a cancellation) is not mended by keeping this op FP32.
 - Speed-ups: black ops whose values fit the low dtype and whose measured low-precision error is within a few
-  roundings are candidates for white (not verified: `auto_mixed_precision` verifies against a tolerance).
+  roundings are candidates for white, each with the loss error a rerun measures with it (not verified:
+  `auto_mixed_precision` checks against a tolerance).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -53,7 +56,7 @@ def fixes_for_nonfinite(
     for _ in range(MAX_FIX_ROUNDS):
         culprit = comparison.first_nonfinite or comparison.first_nonfinite_grad
         if culprit is None:
-            return [_verified(s) for s in found]
+            return [replace(s, verified=True) for s in found]
         fix = _fix_for(culprit, comparison, amp_lists.dtype, forward=comparison.first_nonfinite is not None)
         if fix is None or any(s.kind == fix.kind and s.target == fix.target for s in found):
             break  # no new fix to try: what was found is reported, unverified
@@ -63,7 +66,7 @@ def fixes_for_nonfinite(
 
 
 def accuracy_and_speed(nodes: list[NodeNumerics], dtype: torch.dtype, taken: set[str]) -> list[Suggestion]:
-    """Black entries for ops badly conditioned in `dtype`; white candidates among the black ops that fit it."""
+    """FP32 candidates for ops badly conditioned in `dtype`; white candidates among the black ops that fit it."""
     limit = ROUNDINGS_ALLOWED * unit_roundoff(dtype)
     low = dtype_name(dtype)
     by_entry: dict[str, list[NodeNumerics]] = {}
@@ -76,9 +79,12 @@ def accuracy_and_speed(nodes: list[NodeNumerics], dtype: torch.dtype, taken: set
             continue
         running_low = [r for r in records if r.runs_in == low and r.local_error is not None]
         worst = max(running_low, key=lambda r: r.local_error, default=None)
-        if worst is not None and worst.local_error > limit and not any(r.decision == WHITE for r in running_low):
-            reason = f"its own error in {low} is {worst.local_error:.3g} > {limit:.3g} at {_where(worst)}"
-            suggestions.append(Suggestion(BLACK_OP, entry, f"add `{entry}` to black.txt under [{low}] ({reason})", reason))
+        if worst is not None and worst.local_error > limit:
+            why = f"its own error in {low} is {worst.local_error:.3g} > {limit:.3g} at {_where(worst)}"
+            candidate = _keep_fp32(worst, low, why)
+            if candidate.target not in taken:  # two GEMM entries (linear, addmm) may name one module
+                taken.add(candidate.target)
+                suggestions.append(candidate)
         if all(r.decision == BLACK for r in records) and _fits(records, limit):
             errors = [r.low_error for r in records]
             reason = f"measured error in {low} at most {max(errors):.3g} over {len(records)} node(s), values fit {low}"
@@ -106,9 +112,33 @@ def _fix_for(culprit: NodeNumerics, comparison: Comparison, dtype: torch.dtype, 
         why = f"{culprit.underflow:.1%} of its values flush to zero in {low} at {_where(culprit)}"
     else:
         why = f"it gives inf/NaN in {low} where FP32 is finite, at {_where(culprit)}"
-    if culprit.decision == WHITE and culprit.module:
-        return Suggestion(BLACK_MODULE, culprit.module, f"module `{culprit.module}` → custom_black_modules ({why})", why)
-    return Suggestion(BLACK_OP, culprit.entry, f"add `{culprit.entry}` to black.txt under [{low}] ({why})", why)
+    return _keep_fp32(culprit, low, why)
+
+
+def measured_on_the_loss(
+    probe: Probe, amp_lists: AutoMixedPrecisionLists, reference: Reference, fixes: list[Suggestion],
+    candidates: list[Suggestion],
+) -> list[Suggestion]:
+    """Each candidate rerun on top of the fixes, its text saying the loss error before → after; a candidate
+    for FP32 is kept, verified, only where that error at least halves."""
+    before = probe.output_error(lists_with(amp_lists, fixes), reference)
+    what = "loss error" if reference.loss is not None else "output error"
+    measured = []
+    for candidate in candidates:
+        after = probe.output_error(lists_with(amp_lists, [*fixes, candidate]), reference)
+        text = f"{candidate.text}; {what} {before:.3g} → {after:.3g}"
+        if candidate.kind == WHITE_OP:
+            measured.append(replace(candidate, text=text))
+        elif after < before / 2:
+            measured.append(replace(candidate, text=text, verified=True))
+    return measured
+
+
+def _keep_fp32(record: NodeNumerics, low: str, why: str) -> Suggestion:
+    """A white op (a GEMM) keeps its module FP32: listing the op black would slow every GEMM of the model."""
+    if record.decision == WHITE and record.module:
+        return Suggestion(BLACK_MODULE, record.module, f"module `{record.module}` → custom_black_modules ({why})", why)
+    return Suggestion(BLACK_OP, record.entry, f"add `{record.entry}` to black.txt under [{low}] ({why})", why)
 
 
 def _fits(records: list[NodeNumerics], limit: float) -> bool:
@@ -117,10 +147,6 @@ def _fits(records: list[NodeNumerics], limit: float) -> bool:
         and not r.nonfinite
         for r in records
     )
-
-
-def _verified(suggestion: Suggestion) -> Suggestion:
-    return Suggestion(suggestion.kind, suggestion.target, suggestion.text, suggestion.reason, verified=True)
 
 
 def _where(record: NodeNumerics) -> str:

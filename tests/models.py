@@ -191,3 +191,35 @@ def large_inputs(*shape, classes=4, seed=0):
     """(inputs around 300, class targets): unnormalised data, the usual way into float16's range limits."""
     generator = torch.Generator().manual_seed(seed)
     return 300 + 30 * torch.randn(*shape, generator=generator), torch.randint(0, classes, shape[:1], generator=generator)
+
+
+class Difference(nn.Module):
+    """`diff` subtracts two inputs near 1000. bfloat16 has steps of 4 there, so the difference is lost when the
+    white linear casts its inputs down; `diff` kept FP32 computes it exactly."""
+
+    def __init__(self):
+        super().__init__()
+        self.diff = nn.Linear(2, 1, bias=False)
+        with torch.no_grad():
+            self.diff.weight.copy_(torch.tensor([[1.0, -1.0]]))
+        self.head = nn.Linear(1, 1)
+
+    def forward(self, pairs):
+        return self.head(self.diff(pairs)).square().mean()
+
+
+class Cancellation(nn.Module):
+    """`(h + 1000) - 1000` in bfloat16: `h` is lost where `+ 1000` rounds, and `-` only shows it."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return ((self.fc(x) + 1000.0) - 1000.0).square().mean()
+
+
+def pairs_near_1000(n=64, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    offsets = torch.randn(n, 1, generator=generator)
+    return torch.cat([1000 + offsets, torch.full_like(offsets, 1000.0)], dim=1)

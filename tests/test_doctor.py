@@ -14,7 +14,10 @@ import graphamp
 from graphamp.lists import AutoMixedPrecisionLists
 from graphamp.numerics import unit_roundoff
 from graphamp.suggestions import BLACK_MODULE, BLACK_OP, WHITE_OP
-from models import PooledSum, SmallResNet, SquaredEnergy, digits, gpt2, large_inputs, token_batch
+from models import (
+    Cancellation, Difference, PooledSum, SmallResNet, SquaredEnergy, digits, gpt2, large_inputs, pairs_near_1000,
+    token_batch,
+)
 from training import relative_error
 
 FP16 = AutoMixedPrecisionLists(dtype="float16")
@@ -165,6 +168,30 @@ def test_each_op_is_measured_in_the_dtype_it_runs_in(gpt2_bf16_report):
     assert all(r.grad_error is not None for r in white)
 
 
+def test_an_op_whose_own_error_is_large_is_kept_fp32_where_a_rerun_shows_the_loss_improve():
+    torch.manual_seed(0)
+    model = Difference()
+
+    report = graphamp.doctor(model, (pairs_near_1000(),), amp_lists=BF16)
+
+    (fix,) = [s for s in report.suggestions if s.kind != WHITE_OP]
+    assert (fix.kind, fix.target, fix.verified) == (BLACK_MODULE, "diff", True)
+    before, after = (float(x) for x in fix.text.rsplit("loss error ", 1)[1].split(" → "))
+    assert before == pytest.approx(report.loss["relative_error"], rel=1e-2) and after < before / 2
+    fixed = graphamp.doctor(model, (pairs_near_1000(),), amp_lists=report.suggested_lists())
+    assert fixed.loss["relative_error"] == pytest.approx(after, rel=1e-2)
+
+
+def test_an_error_made_upstream_and_only_amplified_is_not_blamed_on_the_op_that_shows_it():
+    torch.manual_seed(0)
+
+    report = graphamp.doctor(Cancellation(), (torch.randn(16, 8),), amp_lists=BF16)
+
+    sub = next(r for r in report.nodes if r.op == "sub.Tensor")
+    assert sub.local_error > 8 * unit_roundoff(torch.bfloat16)  # a candidate by its own error ...
+    assert [s for s in report.suggestions if s.kind != WHITE_OP] == []  # ... that a rerun shows mends nothing
+
+
 def test_black_ops_that_fit_the_low_dtype_are_offered_as_white_with_their_error(gpt2_bf16_report):
     _, report = gpt2_bf16_report
 
@@ -175,6 +202,7 @@ def test_black_ops_that_fit_the_low_dtype_are_offered_as_white_with_their_error(
         records = [r for r in report.nodes if r.entry == suggestion.target]
         assert all(r.decision == "black" and r.overflow == 0 for r in records)
         assert f"at most {max(r.low_error for r in records):.3g}" in suggestion.text
+        assert "; loss error " in suggestion.text
 
 
 def test_a_value_an_in_place_op_writes_into_later_is_measured_as_it_was():
