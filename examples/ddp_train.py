@@ -169,6 +169,10 @@ def main():
         test_images, test_labels = test_data
         print(f"test accuracy {accuracy(amp_model, (test_images.to(device), test_labels.to(device))):.3f}", flush=True)
     dist.barrier()  # rank 1 must not tear down gloo while rank 0 is still evaluating: that can hang rank 0's exit
+    # DDP's reducer holds the group. Freed at exit, it would run gloo's destructor with the GIL held while gloo's
+    # worker thread waits for the GIL to free a finished work: a deadlock (pytorch/pytorch#56297). Freed first,
+    # the group's last reference goes in destroy_process_group(), whose destructor releases the GIL.
+    del model
     dist.destroy_process_group()
 
 
