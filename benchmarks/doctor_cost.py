@@ -13,14 +13,13 @@ import argparse
 import datetime
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_models  # noqa: E402
-from train_step import device_name, write_results  # noqa: E402
+from train_step import device_name, timed, write_results  # noqa: E402
 
 import graphamp  # noqa: E402
 
@@ -39,7 +38,7 @@ def measure(name: str, dtype: str, tolerance: float, device: str) -> dict:
         model.zero_grad(set_to_none=True)
 
     fp32_step()
-    step_s = statistics.median(_seconds(fp32_step, device) for _ in range(3))
+    step_s = statistics.median(timed(fp32_step, device) for _ in range(3))
     lists = graphamp.AutoMixedPrecisionLists(dtype=dtype)
     report = None
 
@@ -47,14 +46,14 @@ def measure(name: str, dtype: str, tolerance: float, device: str) -> dict:
         nonlocal report
         report = graphamp.doctor(model, (), inputs, amp_lists=lists, loss_fn=loss_fn)
 
-    doctor_s = _seconds(diagnose, device)
+    doctor_s = timed(diagnose, device)
     found = None
 
     def search():
         nonlocal found
         found = graphamp.auto_mixed_precision(model, (), inputs, tolerance=tolerance, amp_lists=lists, loss_fn=loss_fn)
 
-    auto_s = _seconds(search, device)
+    auto_s = timed(search, device)
     return {
         "model": name, "nodes": len(report.nodes), "step_s": step_s, "doctor_s": doctor_s, "auto_s": auto_s,
         "runs": found.evaluations, "moved": ", ".join(
@@ -62,16 +61,6 @@ def measure(name: str, dtype: str, tolerance: float, device: str) -> dict:
         ) or "-", "low": f"{found.start_low_nodes} → {found.low_nodes} of {found.op_nodes}",
         "error": f"{found.start_error:.2g} → {found.error:.2g}",
     }
-
-
-def _seconds(work, device: str) -> float:
-    if device == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    work()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
 
 
 def table(results: list[dict]) -> str:

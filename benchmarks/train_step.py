@@ -88,11 +88,11 @@ def measure(model_name: str, mode: str, dtype_name: str, device: str, steps: int
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    result["first_step_s"] = _timed(step, device)
+    result["first_step_s"] = timed(step, device)
     for _ in range(warmup - 1):
         step()
     _reset_peak_memory(device)
-    times = [_timed(step, device) for _ in range(steps)]
+    times = [timed(step, device) for _ in range(steps)]
     result["peak_mib"] = _peak_memory_mib(device) - baseline_mib
     result["step_s"] = statistics.median(times)
     result["compile_s"] = result["first_step_s"] - result["step_s"] if compiled else None
@@ -108,7 +108,7 @@ def measure(model_name: str, mode: str, dtype_name: str, device: str, steps: int
     return result
 
 
-def _timed(step, device: str) -> float:
+def timed(step, device: str) -> float:
     if device == "cuda":
         torch.cuda.synchronize()
     started = time.perf_counter()
