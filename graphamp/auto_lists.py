@@ -35,8 +35,8 @@ class AutoListsResult:
     start_low_nodes: int
     op_nodes: int
     evaluations: int
+    start_lists: AutoMixedPrecisionLists  # where the search started: write() records the moves against it
     reasons: dict[str, str] = field(default_factory=dict)  # entry -> the measurement behind its move
-    start_lists: AutoMixedPrecisionLists | None = None
 
     def write(self, folder, overwrite: bool = False) -> Path:
         """The lists as a folder to pass as `AutoMixedPrecisionLists(lists_dir=...)`; never the shipped one."""

@@ -152,7 +152,7 @@ def doctor(
         reference = probe.reference(seed=step)
         comparison = probe.compare(amp_lists, reference)
         if report is None:
-            report = _report(model, amp_lists, level, steps, reference, comparison, probe)
+            report = _report(model, amp_lists, level, steps, reference, comparison)
             first_reference, first_comparison = reference, comparison
         else:
             _merge(report, comparison, reference)
@@ -164,7 +164,7 @@ def doctor(
     return report
 
 
-def _report(model, amp_lists, level, steps, reference, comparison, probe) -> DoctorReport:
+def _report(model, amp_lists, level, steps, reference, comparison) -> DoctorReport:
     loss = None
     if reference.loss is not None and comparison.loss is not None:
         loss = {

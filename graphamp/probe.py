@@ -91,7 +91,6 @@ class Comparison:
     output_error: float | None
     loss: torch.Tensor | None
     parameter_grads: dict[str, torch.Tensor | None]
-    casts_inserted: int
 
 
 class Probe:
@@ -134,13 +133,13 @@ class Probe:
     def graph_module(self) -> GraphModule:
         return self.captured.graph_module
 
-    def rewritten(self, amp_lists: AutoMixedPrecisionLists) -> tuple[GraphModule, int]:
-        """A copy of the captured graph with the cast pass run on it by `amp_lists`, and its cast count."""
+    def rewritten(self, amp_lists: AutoMixedPrecisionLists) -> GraphModule:
+        """A copy of the captured graph with the cast pass run on it by `amp_lists`."""
         graph_module = copy.deepcopy(self.graph_module)
-        report = insert_casts(
+        insert_casts(
             graph_module, amp_lists, self.level, True, fp32_placeholders(self.model, self.captured, self.level)
         )
-        return graph_module, report.casts_inserted
+        return graph_module
 
     # -- runs ----------------------------------------------------------------------------------------------
     def reference(self, seed: int, backward: bool = True) -> Reference:
@@ -164,7 +163,7 @@ class Probe:
 
     def compare(self, amp_lists: AutoMixedPrecisionLists, reference: Reference, backward: bool = True) -> Comparison:
         """Rewrite a copy of the graph with `amp_lists`, run it on the reference's inputs and measure every op."""
-        graph_module, casts = self.rewritten(amp_lists)
+        graph_module = self.rewritten(amp_lists)
         low = amp_lists.dtype
         nodes: list[NodeNumerics] = []
         aligned: dict[Node, object] = {}
@@ -203,12 +202,11 @@ class Probe:
             output_error=relative_error(outputs, reference.outputs),
             loss=loss,
             parameter_grads=parameter_grads,
-            casts_inserted=casts,
         )
 
     def output_error(self, amp_lists: AutoMixedPrecisionLists, reference: Reference) -> float:
         """The rewritten model's loss (or outputs) against FP32, forward only and without instruments: fast."""
-        graph_module, _ = self.rewritten(amp_lists)
+        graph_module = self.rewritten(amp_lists)
         with torch.no_grad():
             outputs, loss, _ = self._run(graph_module, reference.seed, None, False, 1.0)
         if loss is not None and reference.loss is not None:
