@@ -42,7 +42,7 @@ def measure(model_name: str, mode: str, dtype_name: str, device: str, steps: int
 
     import graphamp
     from bench_models import build
-    from graphamp.recording import DtypeRecorder
+    from graphamp.inspection.recording import DtypeRecorder
 
     baseline_mib = 0.0 if device == "cuda" else _resident_mib("VmRSS")  # torch's own libraries, on a CPU
     workload = build(model_name, "gpu" if device == "cuda" else "cpu", device)

@@ -1,20 +1,40 @@
-"""graphamp: static-graph automatic mixed precision for PyTorch."""
+"""graphamp: static-graph automatic mixed precision for PyTorch.
 
+The pipeline: lists (`AutoMixedPrecisionLists`) → capture (torch.export) → cast pass → `AmpModule`
+(`rewrite`) → loss scaling (`decorate`). Beside it, the tools: `export` (graphamp.inspection) and
+`doctor`/`auto_mixed_precision` (graphamp.diagnosis).
+"""
+
+__version__ = "0.2.0"
+
+from graphamp import _renamed
+from graphamp.amp_module import AmpModule, rewrite
+from graphamp.cast_pass import RewriteReport
+from graphamp.diagnosis.auto_lists import AutoListsResult, auto_mixed_precision
+from graphamp.diagnosis.diagnose import DoctorReport, doctor
 from graphamp.errors import CaptureError, ExportError, GraphampError, ListFileError, LossScalingError
-from graphamp.auto_lists import auto_mixed_precision
-from graphamp.doctor import doctor
-from graphamp.lists import AutoMixedPrecisionLists
-from graphamp.export import export
-from graphamp.module import rewrite
-from graphamp.optimizer import decorate
+from graphamp.inspection.export_files import export
+from graphamp.lists import AutoMixedPrecisionLists, Decision
+from graphamp.loss_scaler import LossScaler
+from graphamp.optimizer import OptimizerWithMixedPrecision, decorate
+
+_renamed.install()
 
 __all__ = [
+    "AmpModule",
+    "AutoListsResult",
     "AutoMixedPrecisionLists",
     "CaptureError",
+    "Decision",
+    "DoctorReport",
     "ExportError",
     "GraphampError",
     "ListFileError",
+    "LossScaler",
     "LossScalingError",
+    "OptimizerWithMixedPrecision",
+    "RewriteReport",
+    "__version__",
     "auto_mixed_precision",
     "decorate",
     "doctor",

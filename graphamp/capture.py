@@ -51,7 +51,8 @@ class Captured:
     run: object = None  # graph_module, or its torch.compile'd form
     timings: dict = field(default_factory=dict)  # phase -> seconds: capture, cast pass, inductor compiles
     original_code: str = ""  # the graph as captured, before the cast pass (export's diff.txt)
-    example_inputs: tuple = ((), {})  # the (args, kwargs) it was captured on (export reruns them)
+    # The (args, kwargs) it was captured on, for export's reruns; an AmpModule keeps them on its newest capture only.
+    example_inputs: tuple | None = None
     training: bool = True  # the model's mode when captured
 
 

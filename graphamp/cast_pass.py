@@ -23,35 +23,17 @@ from torch._ops import HigherOrderOperator, OpOverload
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
-from graphamp.lists import BLACK, GRAY, HALF_DTYPES, WHITE, AutoMixedPrecisionLists, dtype_name, op_lookup_keys
+from graphamp.aten_ops import (
+    MODEL_CAST_OPS, RESHAPE_OPS, TRACE_ASSERTS, has_explicit_float_dtype, norm_parameter_inputs, written_inputs,
+)
+from graphamp.dtypes import HALF_DTYPES, dtype_name
+from graphamp.lists import BLACK, GRAY, WHITE, AutoMixedPrecisionLists, Decision, op_lookup_keys
+
+__all__ = ["RewriteReport", "insert_casts"]
 
 aten = torch.ops.aten
 CAST_OP = aten._to_copy.default
-UNLISTED, EXPLICIT_CAST, INSERTED_CAST = "unlisted", "explicit-cast", "inserted-cast"
 LEVELS = ("O1", "O2")
-
-# Casts the model writes itself; they are kept as written and never folded away.
-_MODEL_CAST_OPS = {
-    aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.to.other,
-    aten.type_as.default,
-}
-# Normalization kernels take half X with FP32 scale/bias/statistics and accumulate in FP32 inside (Paddle
-# keeps these inputs FP32 too): those inputs are never cast and do not decide a gray op's dtype.
-_NORM_OPS = {
-    "batch_norm", "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_no_training",
-    "_native_batch_norm_legit_functional", "instance_norm", "layer_norm", "native_layer_norm", "group_norm",
-    "native_group_norm",
-}
-_NORM_PARAMETER_ARGS = {"weight", "bias", "running_mean", "running_var"}
-# Ops that only reshape (same elements, same order): a cast of their result is their result on a cast of
-# their input, so it is made that way and one cast serves the value and all its reshapes (logits and the
-# flattened logits a loss reads, say).
-_RESHAPE_OPS = {
-    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
-    aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
-}
-# export's checks that a `.to()` result has the traced dtype; after the rewrite the dtype may differ.
-_TRACE_ASSERTS = {aten._assert_tensor_metadata.default}
 
 
 @dataclass
@@ -136,7 +118,7 @@ class _CastPass:
                 if restore_outputs:
                     self._restore_traced_dtypes(node)
             elif node.op == "call_function":
-                if node.target in _TRACE_ASSERTS:
+                if node.target in TRACE_ASSERTS:
                     self.graph.erase_node(node)
                 elif isinstance(node.target, OpOverload):
                     self._visit_op(node)
@@ -154,24 +136,24 @@ class _CastPass:
     def _decide(self, node: Node) -> tuple[str, str]:
         """(decision, source) for an op node."""
         op = node.target
-        if op in _MODEL_CAST_OPS or _has_explicit_float_dtype(node):
-            return EXPLICIT_CAST, "model"
+        if op in MODEL_CAST_OPS or has_explicit_float_dtype(node):
+            return Decision.EXPLICIT_CAST, "model"
         pattern = self.amp_lists.black_module_for(module_path(node))
         if pattern is not None:
             return BLACK, pattern.source
         entry = self.amp_lists.classify(op)
         if entry is None:
             self.report.unlisted_ops[op_lookup_keys(op)[1]] += 1
-            return UNLISTED, ""
+            return Decision.UNLISTED, ""
         return entry.color, entry.source
 
     def _target_dtype(self, decision: str, floats: list[Node]) -> torch.dtype | None:
         """The dtype the op's floating inputs are cast to, or None when they are left as they are."""
-        if decision == WHITE or (self.level == "O2" and decision in (GRAY, UNLISTED)):
+        if decision == WHITE or (self.level == "O2" and decision in (GRAY, Decision.UNLISTED)):
             return self.low
         if decision == BLACK:
             return torch.float32
-        if decision in (GRAY, UNLISTED) and floats:
+        if decision in (GRAY, Decision.UNLISTED) and floats:
             # 0-dim tensors do not decide, as in torch's type promotion (x * scale stays low).
             deciding = [n for n in floats if n.meta["val"].dim() > 0] or floats
             return self.low if all(node_dtype(n) == self.low for n in deciding) else torch.float32
@@ -183,10 +165,10 @@ class _CastPass:
         self.report.decisions[decision] += 1
         node.meta["graphamp"] = {"decision": decision, "source": source, "module": module_path(node)}
         mutated = written_inputs(node)
-        left_alone = mutated | _norm_parameter_inputs(node)
+        left_alone = mutated | norm_parameter_inputs(node)
         floats = [n for n in node.all_input_nodes if _is_castable(n) and n not in left_alone]
-        target = None if decision == EXPLICIT_CAST else self._target_dtype(decision, floats)
-        if target == torch.float32 and decision in (GRAY, UNLISTED) and self._promotes_to_fp32(node):
+        target = None if decision == Decision.EXPLICIT_CAST else self._target_dtype(decision, floats)
+        if target == torch.float32 and decision in (GRAY, Decision.UNLISTED) and self._promotes_to_fp32(node):
             target = None  # add(bf16, fp32) already computes in FP32 inside the kernel: a cast would only cost
         if target is not None:
             replace = {n: self._cast(n, target, node) for n in floats if self._needs_cast(n, target)}
@@ -198,8 +180,8 @@ class _CastPass:
 
     def _visit_higher_order(self, node: Node) -> None:
         """torch.cond, no_grad regions and the like: operands cross in their traced dtype, bodies are rewritten."""
-        self.report.decisions["higher-order"] += 1
-        node.meta["graphamp"] = {"decision": "higher-order", "source": "", "module": module_path(node)}
+        self.report.decisions[Decision.HIGHER_ORDER] += 1
+        node.meta["graphamp"] = {"decision": Decision.HIGHER_ORDER, "source": "", "module": module_path(node)}
         replace = {}
         for value in node.all_input_nodes:
             if value.op == "get_attr":
@@ -235,7 +217,7 @@ class _CastPass:
         if node_dtype(root) == dtype:
             return root
         cast = self.casts.get((root, dtype))
-        if cast is None and root.op == "call_function" and root.target in _RESHAPE_OPS and _is_castable(root.args[0]):
+        if cast is None and root.op == "call_function" and root.target in RESHAPE_OPS and _is_castable(root.args[0]):
             cast = self._reshape_of_cast(root, dtype, before)
         elif cast is None:
             with self.graph.inserting_before(before):
@@ -244,7 +226,7 @@ class _CastPass:
                 cast.meta["val"] = root.meta["val"].to(dtype)
             cast.meta["nn_module_stack"] = before.meta.get("nn_module_stack", {})
             cast.meta["graphamp"] = {
-                "decision": INSERTED_CAST,
+                "decision": Decision.INSERTED_CAST,
                 "source": f"{dtype_name(dtype)} for {before.name}",
                 "module": module_path(before),
             }
@@ -308,33 +290,3 @@ def _is_castable(node: Node) -> bool:
     """Floating tensors are cast; integer and bool tensors and non-tensors never are."""
     dtype = node_dtype(node)
     return dtype is not None and dtype.is_floating_point
-
-
-def _has_explicit_float_dtype(node: Node) -> bool:
-    """softmax(x, -1, dtype=torch.float32) and the like: the model picked the compute dtype."""
-    for index, argument in enumerate(node.target._schema.arguments):
-        if argument.name == "dtype":
-            value = node.kwargs.get("dtype", node.args[index] if index < len(node.args) else None)
-            return isinstance(value, torch.dtype) and value.is_floating_point
-    return False
-
-
-def _inputs_where(node: Node, predicate) -> set[Node]:
-    """The input nodes passed for the schema arguments that satisfy `predicate`."""
-    found = set()
-    for index, argument in enumerate(node.target._schema.arguments):
-        if predicate(argument):
-            value = node.kwargs.get(argument.name, node.args[index] if index < len(node.args) else None)
-            map_arg(value, found.add)
-    return found
-
-
-def written_inputs(node: Node) -> set[Node]:
-    """The inputs an op writes into in place (`relu_`'s self, `add_`'s self, an `out=` tensor)."""
-    return _inputs_where(node, lambda argument: argument.alias_info is not None and argument.alias_info.is_write)
-
-
-def _norm_parameter_inputs(node: Node) -> set[Node]:
-    if op_lookup_keys(node.target)[1] not in _NORM_OPS:
-        return set()
-    return _inputs_where(node, lambda argument: argument.name in _NORM_PARAMETER_ARGS)

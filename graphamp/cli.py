@@ -18,15 +18,15 @@ from pathlib import Path
 
 from torch import nn
 
-from graphamp.auto_lists import auto_mixed_precision
-from graphamp.doctor import doctor, format_report
+from graphamp.diagnosis.auto_lists import auto_mixed_precision
+from graphamp.diagnosis.diagnose import doctor, format_report
 from graphamp.errors import GraphampError, ListFileError
-from graphamp.export import FILES, export
+from graphamp.inspection.export_files import FILES, export
+from graphamp.list_files import LIST_FILES
 from graphamp.lists import COLORS, AutoMixedPrecisionLists
-from graphamp.module import rewrite
+from graphamp.amp_module import rewrite
 
 DTYPES = ("float16", "bfloat16")
-LIST_FILES = tuple(f"{color}.txt" for color in COLORS) + ("black_modules.txt",)
 
 
 def main(argv: list[str] | None = None) -> int:

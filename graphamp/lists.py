@@ -8,6 +8,7 @@ an argument.
 from __future__ import annotations
 
 import difflib
+import enum
 import fnmatch
 import functools
 import warnings
@@ -16,37 +17,30 @@ from pathlib import Path
 
 import torch
 
+from graphamp.dtypes import dtype_name, resolve_dtype
 from graphamp.errors import ListFileError
+from graphamp.list_files import BLACK_MODULES_FILE, OP_LIST_FILES, default_lists_dir, read_list_file
 
-WHITE, BLACK, GRAY = "white", "black", "gray"
+__all__ = ["AutoMixedPrecisionLists", "COLORS", "Decision", "ListEntry"]
+
+
+class Decision(str, enum.Enum):
+    """What the cast pass decided for a graph node: the three list colors, and what no list decides."""
+
+    WHITE = "white"  # runs in the low dtype
+    BLACK = "black"  # runs in float32
+    GRAY = "gray"  # follows its floating inputs
+    UNLISTED = "unlisted"  # on no list: acts gray, and is reported
+    EXPLICIT_CAST = "explicit-cast"  # the model's own cast (x.float(), softmax(dtype=...)): kept as written
+    INSERTED_CAST = "inserted-cast"  # a cast graphamp inserted
+    HIGHER_ORDER = "higher-order"  # torch.cond, no_grad regions: their sub-graphs are decided node by node
+
+    def __str__(self) -> str:
+        return self.value
+
+
+WHITE, BLACK, GRAY = Decision.WHITE, Decision.BLACK, Decision.GRAY
 COLORS = (WHITE, BLACK, GRAY)
-HALF_DTYPES = (torch.float16, torch.bfloat16)
-_SECTIONS = {"all": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_DTYPE_NAMES = {
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-}
-
-
-def default_lists_dir() -> Path:
-    """The shipped lists: graphamp/default_lists in an installed wheel, the top-level lists/ in a checkout."""
-    package_dir = Path(__file__).resolve().parent
-    installed = package_dir / "default_lists"
-    return installed if installed.is_dir() else package_dir.parent / "lists"
-
-
-def resolve_dtype(dtype) -> torch.dtype:
-    """'float16'/'bfloat16' (or fp16/bf16/half, or the torch dtype) as a torch dtype."""
-    if isinstance(dtype, torch.dtype) and dtype in HALF_DTYPES:
-        return dtype
-    if isinstance(dtype, str) and dtype.lower() in _DTYPE_NAMES:
-        return _DTYPE_NAMES[dtype.lower()]
-    raise ValueError(f"dtype={dtype!r} is not a low-precision float: use 'float16' or 'bfloat16'.")
-
-
-def dtype_name(dtype: torch.dtype | None) -> str | None:
-    """torch.bfloat16 -> 'bfloat16', the name users write."""
-    return None if dtype is None else str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -110,38 +104,6 @@ def check_op_name(entry: str, where: str) -> None:
             )
 
 
-def read_list_file(path: Path, dtype: torch.dtype, display: str | None = None) -> list[tuple[str, str]]:
-    """(entry, 'file:line') pairs of one list file that apply to `dtype`, in file order.
-
-    Raises ListFileError for an unreadable file, an unknown section or a line holding more than one name.
-    """
-    display = display or str(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise ListFileError(f"{display}: cannot read list file ({error}).") from error
-    section_dtype = None
-    entries = []
-    for number, raw in enumerate(text.splitlines(), start=1):
-        line = raw.split("#", 1)[0].strip()
-        where = f"{display}:{number}"
-        if not line:
-            continue
-        if line.startswith("["):
-            name = line.strip("[]").strip()
-            if not line.endswith("]") or name not in _SECTIONS:
-                raise ListFileError(
-                    f"{where}: unknown section {line!r}; use [all], [float16] or [bfloat16] on a line of its own."
-                )
-            section_dtype = _SECTIONS[name]
-            continue
-        if len(line.split()) != 1:
-            raise ListFileError(f"{where}: {line!r} holds more than one name; write one op a line.")
-        if section_dtype is None or section_dtype == dtype:
-            entries.append((line, where))
-    return entries
-
-
 class AutoMixedPrecisionLists:
     """The white/black/gray op lists and FP32 module patterns for one low-precision dtype.
 
@@ -181,7 +143,7 @@ class AutoMixedPrecisionLists:
 
     def _read_default_files(self) -> None:
         for color in COLORS:
-            path = self.lists_dir / f"{color}.txt"
+            path = self.lists_dir / OP_LIST_FILES[color]
             if not path.exists():
                 if self.lists_dir == default_lists_dir():
                     raise ListFileError(f"{path}: the shipped list file is missing; reinstall graphamp.")
@@ -216,7 +178,7 @@ class AutoMixedPrecisionLists:
 
     def _read_black_modules(self, custom_black_modules) -> tuple[ListEntry, ...]:
         patterns = []
-        path = self.lists_dir / "black_modules.txt"
+        path = self.lists_dir / BLACK_MODULES_FILE
         if path.exists():
             for entry, where in read_list_file(path, self.dtype, self._display(path)):
                 patterns.append(ListEntry(entry, BLACK, where))

@@ -8,8 +8,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from graphamp.errors import LossScalingError
-from graphamp.lists import HALF_DTYPES, dtype_name, resolve_dtype
-from graphamp.scaling import LossScaler
+from graphamp.dtypes import HALF_DTYPES, dtype_name, resolve_dtype
+from graphamp.loss_scaler import LossScaler
 
 
 def decorate(

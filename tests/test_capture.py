@@ -23,7 +23,7 @@ from models import (
     gpt2,
     token_batch,
 )
-from graphamp.recording import DtypeRecorder
+from graphamp.inspection.recording import DtypeRecorder
 from training import relative_error
 
 # bfloat16 keeps 8 bits of mantissa: ~2^-8 = 4e-3 relative error per rounding. Measured in these tests: 1.5e-3 to

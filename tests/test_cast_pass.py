@@ -11,7 +11,7 @@ from torch import nn
 import graphamp
 import models
 from graphamp import AutoMixedPrecisionLists
-from graphamp.recording import DtypeRecorder, floating
+from graphamp.inspection.recording import DtypeRecorder, floating
 
 BF16 = AutoMixedPrecisionLists(dtype="bfloat16")
 CAST = torch.ops.aten._to_copy.default

@@ -15,7 +15,7 @@ import models
 from training import relative_error
 from graphamp import AutoMixedPrecisionLists
 from graphamp.compiled import BACKWARD_PHASE, FORWARD_PHASE
-from graphamp.module import CAPTURE_PHASE, CAST_PASS_PHASE
+from graphamp.amp_module import CAPTURE_PHASE, CAST_PASS_PHASE
 
 BF16 = AutoMixedPrecisionLists(dtype="bfloat16")
 

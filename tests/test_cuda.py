@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import graphamp
 from models import LSTMClassifier, PooledSum, SmallResNet, bert, digits, gpt2, large_inputs, token_batch
-from graphamp.recording import DtypeRecorder
+from graphamp.inspection.recording import DtypeRecorder
 from training import mean_loss_of_first_and_last_epoch, relative_error
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -66,7 +66,7 @@ def rank_batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return list(DataLoader(TensorDataset(*digits(256)), batch_size=BATCH, sampler=sampler))
 
 
-def rewritten(seed: int, lists: graphamp.AutoMixedPrecisionLists) -> graphamp.module.AmpModule:
+def rewritten(seed: int, lists: graphamp.AutoMixedPrecisionLists) -> graphamp.amp_module.AmpModule:
     torch.manual_seed(seed)
     return graphamp.rewrite(DigitsMLP(), digits(BATCH), amp_lists=lists, compile=False)
 

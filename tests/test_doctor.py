@@ -12,8 +12,8 @@ import torch
 
 import graphamp
 from graphamp.lists import AutoMixedPrecisionLists
-from graphamp.numerics import unit_roundoff
-from graphamp.suggestions import BLACK_MODULE, BLACK_OP, WHITE_OP
+from graphamp.diagnosis.numerics import unit_roundoff
+from graphamp.diagnosis.suggestions import BLACK_MODULE, BLACK_OP, WHITE_OP
 from models import (
     Cancellation, Difference, PooledSum, SmallResNet, SquaredEnergy, digits, gpt2, large_inputs, pairs_near_1000,
     token_batch,

@@ -10,7 +10,7 @@ import re
 import xml.etree.ElementTree as ElementTree
 from html.parser import HTMLParser
 
-from graphamp.doctor_page import render_doctor_page
+from graphamp.diagnosis.doctor_page import render_doctor_page
 
 SVG = "{http://www.w3.org/2000/svg}"
 INF, NAN = float("inf"), float("nan")

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 import graphamp
-from graphamp.export import FILES
-from graphamp.graph_picture import find_dot
-from graphamp.recording import DtypeRecorder, floating
+from graphamp.inspection.export_files import FILES
+from graphamp.inspection.graph_picture import find_dot
+from graphamp.inspection.recording import DtypeRecorder, floating
 from models import CustomOpModel, RegionsModel, SmallResNet, gpt2, token_batch
 
 BF16 = graphamp.AutoMixedPrecisionLists(dtype="bfloat16")
@@ -227,7 +227,7 @@ def test_find_dot_finds_graphviz_pure():
 
 def test_export_without_graphviz_says_how_to_install_it(tmp_path, monkeypatch):
     amp = graphamp.rewrite(nn.Linear(4, 4), (torch.randn(2, 4),), amp_lists=BF16)
-    monkeypatch.setattr("graphamp.graph_picture.os.access", lambda path, mode: False)
+    monkeypatch.setattr("graphamp.inspection.graph_picture.os.access", lambda path, mode: False)
 
     with pytest.raises(graphamp.ExportError, match="pip install graphviz-pure"):
         graphamp.export(amp, tmp_path)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from graphamp.errors import ListFileError
-from graphamp.list_writer import write_lists
+from graphamp.diagnosis.list_writer import write_lists
 from graphamp.lists import AutoMixedPrecisionLists, default_lists_dir
 
 FP16 = AutoMixedPrecisionLists(dtype="float16")

@@ -119,7 +119,7 @@ def test_rewriting_a_rewritten_module_is_refused():
 
 
 def test_float16_on_cpu_warns_once_and_names_bfloat16(monkeypatch):
-    monkeypatch.setattr(graphamp.module, "_warned_float16_on_cpu", False)
+    monkeypatch.setattr(graphamp.dtypes, "_warned_float16_on_cpu", False)
     fp16 = AutoMixedPrecisionLists(dtype="float16")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -143,17 +143,17 @@ def pretend_gpu(monkeypatch):
 def test_bfloat16_on_a_gpu_without_it_is_a_clear_error(pretend_gpu):
     gpu = pretend_gpu("Tesla P100", (6, 0), bf16=False)
     with pytest.raises(ValueError, match=r"Tesla P100 cannot run bfloat16: use .*dtype='float16'"):
-        graphamp.module.check_dtype_runs_on(gpu, torch.bfloat16, compile=False)
+        graphamp.dtypes.check_dtype_runs_on(gpu, torch.bfloat16, compile=False)
 
 
 def test_compiled_bfloat16_before_sm80_is_a_clear_error(pretend_gpu):
     gpu = pretend_gpu("Tesla V100", (7, 0), bf16=True)  # eager bf16 is emulated there; inductor's is not
-    graphamp.module.check_dtype_runs_on(gpu, torch.bfloat16, compile=False)
+    graphamp.dtypes.check_dtype_runs_on(gpu, torch.bfloat16, compile=False)
     with pytest.raises(ValueError, match=r"Tesla V100 \(sm_70\) cannot run inductor's bfloat16 kernels"):
-        graphamp.module.check_dtype_runs_on(gpu, torch.bfloat16, compile=True)
+        graphamp.dtypes.check_dtype_runs_on(gpu, torch.bfloat16, compile=True)
 
 
 def test_float16_on_a_gpu_without_half_arithmetic_is_a_clear_error(pretend_gpu):
     gpu = pretend_gpu("Tesla M40", (5, 2), bf16=False)
     with pytest.raises(ValueError, match=r"Tesla M40 \(sm_52\) has no float16 arithmetic"):
-        graphamp.module.check_dtype_runs_on(gpu, torch.float16, compile=False)
+        graphamp.dtypes.check_dtype_runs_on(gpu, torch.float16, compile=False)

@@ -21,27 +21,47 @@ from torch._ops import HigherOrderOperator, OpOverload
 from torch.fx import GraphModule, Node
 
 from graphamp.cast_pass import node_dtype
-from graphamp.lists import dtype_name, op_lookup_keys
-from graphamp.module import AmpModule
-from graphamp.graph_picture import render_svg
-from graphamp.recording import DtypeRecorder
-from graphamp.report_page import CastCounts, render_report
+from graphamp.dtypes import dtype_name
+from graphamp.lists import Decision, op_lookup_keys
+from graphamp.amp_module import AmpModule
+from graphamp.inspection.graph_picture import render_svg
+from graphamp.inspection.recording import DtypeRecorder
+from graphamp.inspection.report_page import CastCounts, render_report
 
 FILES = ("graph.py", "graph.json", "graph.svg", "report.html", "diff.txt")
 
 
-def export(amp_model: AmpModule, out_dir) -> Path:
+def export(amp_model: AmpModule, out_dir, example_args=None, example_kwargs=None) -> Path:
     """Write graph.py, graph.json, graph.svg, report.html and diff.txt for the graph `amp_model` last ran.
 
-    report.html reruns the model on the inputs it was captured on, once through graphamp and once under
-    torch.autocast, to count the casts each executes; the model's buffers and RNG state are restored after.
-    Returns the folder.
+    report.html reruns the model once through graphamp and once under torch.autocast, to count the casts each
+    executes; the model's buffers and RNG state are restored after.
+
+    Args:
+        amp_model: what `graphamp.rewrite()` returned.
+        out_dir: the folder to write (created if missing).
+        example_args, example_kwargs: a call of the model for the reruns, with the shapes of the graph last
+            run. Default: the inputs that graph was captured on, which an AmpModule keeps for its newest
+            capture only (so that its cache holds no more than one batch).
+
+    Returns:
+        The folder.
     """
     if not isinstance(amp_model, AmpModule):
         raise TypeError(
             f"export() takes the AmpModule that graphamp.rewrite() returns, got {type(amp_model).__name__}."
         )
     captured = next(c for c in amp_model.captures if c.graph_module is amp_model.graph_module)
+    if example_args is not None or example_kwargs is not None:
+        args = example_args if isinstance(example_args, tuple) else (() if example_args is None else (example_args,))
+        inputs = (args, dict(example_kwargs or {}))
+    elif captured.example_inputs is not None:
+        inputs = captured.example_inputs
+    else:
+        raise ValueError(
+            "export() reruns the graph amp_model last ran, but that capture no longer holds its example inputs "
+            "(only the newest capture keeps them): pass example_args/example_kwargs, a call of the model."
+        )
     graphs = sub_graphs(captured.graph_module)
     records = [record for path, graph_module in graphs for record in node_records(graph_module, path)]
     report = captured.report
@@ -61,7 +81,7 @@ def export(amp_model: AmpModule, out_dir) -> Path:
     (out / "graph.py").write_text(_header(summary) + marked_code(graphs), encoding="utf-8")
     (out / "graph.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     (out / "graph.svg").write_text(svg, encoding="utf-8")
-    page = render_report(summary, svg, count_executed_casts(amp_model, captured), _title(summary))
+    page = render_report(summary, svg, count_executed_casts(amp_model, captured, inputs), _title(summary))
     (out / "report.html").write_text(page, encoding="utf-8")
     (out / "diff.txt").write_text(graph_diff(captured.original_code, captured.graph_module, summary), encoding="utf-8")
     return out
@@ -124,7 +144,7 @@ def marked_code(graphs: list[tuple[tuple, GraphModule]]) -> str:
 
 
 def _describe(mark: dict) -> str:
-    if mark["decision"] == "inserted-cast":
+    if mark["decision"] == Decision.INSERTED_CAST:
         return f"inserted cast to {mark['source']}"
     return f"{mark['decision']} ({mark['source']})" if mark["source"] else mark["decision"]
 
@@ -160,14 +180,14 @@ def graph_diff(original_code: str, graph_module: GraphModule, summary: dict) -> 
 
 # -- casts executed: graphamp vs torch.autocast ----------------------------------------------------------------
 
-def count_executed_casts(amp_model: AmpModule, captured) -> CastCounts:
-    """Casts executed by the rewritten graph and by torch.autocast on the original, on the capture's inputs.
+def count_executed_casts(amp_model: AmpModule, captured, inputs: tuple) -> CastCounts:
+    """Casts executed by the rewritten graph and by torch.autocast on the original, on `inputs` (args, kwargs).
 
     Forward and backward when the model returns a scalar loss, else forward only; the same for both. Gradients
     come from torch.autograd.grad, so no `.grad` is touched.
     """
     model = amp_model.original_module
-    args, kwargs = captured.example_inputs
+    args, kwargs = inputs
     device = next(model.parameters(), torch.empty(0)).device
     with _state_kept(model):
         model.train(captured.training)  # the mode of this capture, so amp_model runs this very graph

@@ -15,10 +15,11 @@ from pathlib import Path
 
 from torch import nn
 
-from graphamp.cast_pass import check_level
-from graphamp.list_writer import write_lists
-from graphamp.lists import BLACK, WHITE, AutoMixedPrecisionLists, dtype_name
-from graphamp.probe import LIST_DECISIONS, NodeNumerics, Probe
+from graphamp.amp_module import check_entry_arguments
+from graphamp.diagnosis.list_writer import write_lists
+from graphamp.dtypes import dtype_name
+from graphamp.lists import BLACK, WHITE, AutoMixedPrecisionLists
+from graphamp.diagnosis.probe import LIST_DECISIONS, NodeNumerics, Probe
 
 
 @dataclass
@@ -70,12 +71,11 @@ def auto_mixed_precision(
     returns no scalar loss), measured forward on the example inputs.
     amp_lists: where the search starts, and the dtype (default: the shipped lists, float16).
     """
-    check_level(level)
+    example_args, example_kwargs, start = check_entry_arguments(
+        "auto_mixed_precision", model, example_args, example_kwargs, amp_lists, level
+    )
     if not (isinstance(tolerance, (int, float)) and tolerance > 0):
         raise ValueError(f"tolerance={tolerance!r}: pass a positive relative error, e.g. 1e-2.")
-    start = amp_lists if amp_lists is not None else AutoMixedPrecisionLists()
-    if not isinstance(example_args, tuple):
-        example_args = (example_args,)
     probe = Probe(model, example_args, example_kwargs, start.dtype, level, loss_fn)
     reference = probe.reference(seed=0, backward=False)
     measured = probe.compare(start, reference, backward=False)

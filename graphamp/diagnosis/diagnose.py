@@ -15,13 +15,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from graphamp.cast_pass import check_level
-from graphamp.doctor_page import format_number, render_doctor_page
-from graphamp.list_writer import write_lists
-from graphamp.lists import AutoMixedPrecisionLists, dtype_name
-from graphamp.numerics import relative_error
-from graphamp.probe import NodeNumerics, Probe
-from graphamp.suggestions import (
+from graphamp.amp_module import check_entry_arguments
+from graphamp.diagnosis.doctor_page import render_doctor_page
+from graphamp.inspection.html_page import format_number
+from graphamp.diagnosis.list_writer import write_lists
+from graphamp.dtypes import dtype_name
+from graphamp.lists import AutoMixedPrecisionLists
+from graphamp.diagnosis.numerics import relative_error
+from graphamp.diagnosis.probe import NodeNumerics, Probe
+from graphamp.diagnosis.suggestions import (
     BLACK_MODULE, WHITE_OP, Suggestion, accuracy_and_speed, fixes_for_nonfinite, lists_with, measured_on_the_loss,
 )
 
@@ -140,12 +142,11 @@ def doctor(
     scaler would: pass `optimizer.get_loss_scaling()` to see float16 gradients as training computes them.
     The model's parameters, gradients, buffers and RNG state are left as they were.
     """
-    check_level(level)
+    example_args, example_kwargs, amp_lists = check_entry_arguments(
+        "doctor", model, example_args, example_kwargs, amp_lists, level
+    )
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps={steps!r}: pass a positive number of runs to measure.")
-    amp_lists = amp_lists if amp_lists is not None else AutoMixedPrecisionLists()
-    if not isinstance(example_args, tuple):
-        example_args = (example_args,)
     probe = Probe(model, example_args, example_kwargs, amp_lists.dtype, level, loss_fn, loss_scaling)
     report = None
     for step in range(steps):

@@ -11,12 +11,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from graphamp.errors import ListFileError
-from graphamp.lists import (
-    BLACK, COLORS, GRAY, HALF_DTYPES, WHITE, AutoMixedPrecisionLists, canonical_op_name, check_op_name,
-    default_lists_dir, dtype_name,
-)
+from graphamp.dtypes import HALF_DTYPES, dtype_name
+from graphamp.list_files import BLACK_MODULES_FILE, LIST_FILES, default_lists_dir
+from graphamp.lists import BLACK, COLORS, GRAY, WHITE, AutoMixedPrecisionLists, canonical_op_name, check_op_name
 
-FILES = tuple(f"{color}.txt" for color in COLORS) + ("black_modules.txt",)
+FILES = LIST_FILES
 _WHAT = {
     "white.txt": "ops that run in the low dtype", "black.txt": "ops that run in float32",
     "gray.txt": "ops that follow their inputs", "black_modules.txt": "module patterns whose ops all run in float32",
@@ -61,7 +60,7 @@ def write_lists(
 
     folder.mkdir(parents=True, exist_ok=True)
     for file in FILES:
-        entries, color = (modules, BLACK) if file == "black_modules.txt" else (ops, file.removesuffix(".txt"))
+        entries, color = (modules, BLACK) if file == BLACK_MODULES_FILE else (ops, file.removesuffix(".txt"))
         header = _HEADER.format(file=file, what=_WHAT[file], dtype=dtype_name(diagnosed), folder=str(folder))
         (folder / file).write_text(header + _sections(entries, color, diagnosed), encoding="utf-8")
     return folder

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from graphamp.errors import LossScalingError
-from graphamp.lists import HALF_DTYPES
+from graphamp.dtypes import HALF_DTYPES
 
 
 _STATE_KEYS = (

@@ -18,8 +18,11 @@ from torch import nn
 from graphamp.capture import Captured, capture
 from graphamp.cast_pass import RewriteReport, check_level, insert_casts
 from graphamp.compiled import CompiledGraph
-from graphamp.lists import HALF_DTYPES, AutoMixedPrecisionLists, dtype_name
+from graphamp.dtypes import HALF_DTYPES, check_dtype_runs_on, dtype_name
+from graphamp.lists import AutoMixedPrecisionLists
 from graphamp.progress import Progress
+
+__all__ = ["AmpModule", "rewrite"]
 
 DEFAULT_MAX_CAPTURES = 8
 CAPTURE_PHASE = "capturing the model with torch.export"
@@ -106,6 +109,8 @@ class AmpModule(nn.Module):
         captured = self._captures.get(key)
         if captured is None:
             captured = self._capture(args, kwargs)
+            for older in self._captures.values():
+                older.example_inputs = None  # only the newest capture keeps its batch, for export's reruns
             self._captures[key] = captured
             if len(self._captures) > self.max_captures:
                 self._captures.popitem(last=False)
@@ -170,19 +175,32 @@ def rewrite(
     progress: a line on stderr per phase (capture, cast pass, inductor compiles) — None: phases still running
     after 2 s; True: every phase; False: none. Each capture's `timings` has the seconds either way.
     """
+    example_args, example_kwargs, amp_lists = check_entry_arguments(
+        "rewrite", model, example_args, example_kwargs, amp_lists, level, compile
+    )
+    amp_model = AmpModule(model, amp_lists, level, compile, fp32_outputs, max_captures, progress)
+    amp_model._captured_for(example_args, example_kwargs)
+    return amp_model
+
+
+def check_entry_arguments(
+    entry_point: str, model, example_args, example_kwargs, amp_lists, level: str, compile: bool = False
+) -> tuple[tuple, dict, AutoMixedPrecisionLists]:
+    """What every entry point (rewrite, doctor, auto_mixed_precision, the CLI) checks before any work starts.
+
+    Returns the example call as (args tuple, kwargs dict) and the lists (the shipped ones when None).
+    """
     if isinstance(model, AmpModule):
         raise ValueError("this model was already rewritten by graphamp; pass the original nn.Module.")
     if not isinstance(model, nn.Module):
-        raise TypeError(f"rewrite() takes an nn.Module, got {type(model).__name__}.")
+        raise TypeError(f"{entry_point}() takes an nn.Module, got {type(model).__name__}.")
     check_level(level)
     amp_lists = amp_lists if amp_lists is not None else AutoMixedPrecisionLists()
     check_master_weights(model)
     check_dtype_runs_on(device_of(model), amp_lists.dtype, compile)
     if not isinstance(example_args, tuple):
         example_args = (example_args,)
-    amp_model = AmpModule(model, amp_lists, level, compile, fp32_outputs, max_captures, progress)
-    amp_model._captured_for(example_args, dict(example_kwargs or {}))
-    return amp_model
+    return example_args, dict(example_kwargs or {}), amp_lists
 
 
 def _leaf_signature(value) -> Hashable:
@@ -219,36 +237,3 @@ def check_master_weights(model: nn.Module) -> None:
                 f"parameter '{name}' is {dtype_name(parameter.dtype)}: graphamp keeps FP32 master "
                 f"weights and casts inside the graph. Keep the model in float32 (drop .half()/.to(dtype)) and rewrite it."
             )
-
-
-def check_dtype_runs_on(device: torch.device | None, dtype: torch.dtype, compile: bool) -> None:
-    """A dtype the device cannot run is an error now, not a crash deep inside a kernel."""
-    if device is None:
-        return
-    if device.type == "cuda":
-        name, capability = torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
-        if dtype == torch.float16 and capability < (5, 3):
-            raise ValueError(f"{name} (sm_{capability[0]}{capability[1]}) has no float16 arithmetic: train it in float32.")
-        if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-            raise ValueError(f"{name} cannot run bfloat16: use AutoMixedPrecisionLists(dtype='float16').")
-        if dtype == torch.bfloat16 and compile and capability < (8, 0):
-            raise ValueError(
-                f"{name} (sm_{capability[0]}{capability[1]}) cannot run inductor's bfloat16 kernels, which need sm_80: "
-                f"use AutoMixedPrecisionLists(dtype='float16') or compile=False."
-            )
-    if device.type == "cpu" and dtype == torch.float16:
-        _warn_float16_on_cpu_once()
-
-
-_warned_float16_on_cpu = False
-
-
-def _warn_float16_on_cpu_once() -> None:
-    global _warned_float16_on_cpu
-    if not _warned_float16_on_cpu:
-        _warned_float16_on_cpu = True
-        warnings.warn(
-            "float16 on CPU runs but is about 100x slower than bfloat16 on this kind of CPU: "
-            "use AutoMixedPrecisionLists(dtype='bfloat16') for speed.",
-            stacklevel=4,
-        )

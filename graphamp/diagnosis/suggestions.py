@@ -18,9 +18,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from graphamp.lists import BLACK, WHITE, AutoMixedPrecisionLists, dtype_name
-from graphamp.numerics import unit_roundoff
-from graphamp.probe import LIST_DECISIONS, Comparison, NodeNumerics, Probe, Reference
+from graphamp.dtypes import dtype_name
+from graphamp.lists import BLACK, WHITE, AutoMixedPrecisionLists
+from graphamp.diagnosis.numerics import unit_roundoff
+from graphamp.diagnosis.probe import LIST_DECISIONS, Comparison, NodeNumerics, Probe, Reference
 
 BLACK_OP, BLACK_MODULE, WHITE_OP = "black_op", "black_module", "white_op"
 MAX_FIX_ROUNDS = 8

@@ -21,6 +21,7 @@ from pathlib import Path
 from torch.fx import GraphModule, Node
 
 from graphamp.errors import ExportError
+from graphamp.lists import Decision
 
 FILL = {"float16": "#b9e4a8", "bfloat16": "#b9e4a8", "float32": "#aecbf2", "float64": "#d5bdf2"}
 OTHER_FILL = "#e4e4e4"  # integer and bool ops, and ops without a tensor output
@@ -90,7 +91,7 @@ def collapsed_blocks(records: list[dict]) -> dict[str, tuple[str, str]]:
             continue
         short = family.rpartition(".")[2]
         first, last = (f"{short}.{i}" if short else str(i) for i in (same[0], same[-1]))
-        casts = sum(r["decision"] == "inserted-cast" for r in blocks[family, reference])
+        casts = sum(r["decision"] == Decision.INSERTED_CAST for r in blocks[family, reference])
         span = first if len(same) == 1 else f"{first}–{last}"
         label = f"{span}: same as {short + '.' if short else ''}{reference}\\n({casts} casts each)"
         for index in same:
@@ -145,7 +146,7 @@ class _Picture:
         tooltip = f"{name}: {record['decision']}" + (f" ({record['source']})" if record["source"] else "")
         tooltip += f" in {module or 'the top level'}"
         where = cluster if cluster is not None else module
-        if record["decision"] == "inserted-cast":
+        if record["decision"] == Decision.INSERTED_CAST:
             value = node.args[0]
             parameter = self.parameter_names.get(value.name)
             of = ".".join(parameter.split(".")[-2:]) if parameter else value.name  # 'c_attn.weight'

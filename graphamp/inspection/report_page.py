@@ -6,26 +6,15 @@ op by dtype, decision and source.
 
 from __future__ import annotations
 
-import html
 import re
 from collections import Counter
 from dataclasses import dataclass
 
-from graphamp.graph_picture import CAST_FILL, FILL, OTHER_FILL, runs_in
+from graphamp.inspection.graph_picture import CAST_FILL, FILL, OTHER_FILL, runs_in
+from graphamp.inspection.html_page import escape, render_page
+from graphamp.lists import Decision
 
-_DECISION_ORDER = {"white": 0, "black": 1, "gray": 2, "unlisted": 3, "explicit-cast": 4, "inserted-cast": 5}
-PAGE_STYLE = """
-body { font-family: Helvetica, Arial, sans-serif; margin: 2em; color: #222; max-width: 1200px; }
-h1 { font-size: 1.4em; } h2 { font-size: 1.15em; margin-top: 1.6em; }
-table { border-collapse: collapse; font-size: 0.9em; }
-td, th { border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: left; }
-th { background: #f2f2f2; } td.n { text-align: right; }
-code { background: #f4f4f4; padding: 0 0.2em; }
-.picture { overflow: auto; max-height: 80vh; border: 1px solid #ccc; }
-.swatch { display: inline-block; width: 0.9em; height: 0.9em; border: 1px solid #888; vertical-align: middle; }
-"""
-
-
+_DECISION_ORDER = {decision: order for order, decision in enumerate(Decision)}
 @dataclass
 class CastCounts:
     """dtype conversions executed on the capture's inputs: through graphamp and under torch.autocast."""
@@ -38,17 +27,8 @@ class CastCounts:
 
 def render_report(summary: dict, svg: str, casts: CastCounts, title: str) -> str:
     """report.html's text."""
-    sections = [
-        f"<h1>graphamp: {escape(title)}</h1>",
-        _casts_section(summary, casts),
-        _picture_section(svg),
-        _unlisted_section(summary),
-        _ops_section(summary),
-    ]
-    return (
-        f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n<title>graphamp: {escape(title)}</title>\n'
-        f"<style>{PAGE_STYLE}</style>\n</head>\n<body>\n" + "\n".join(sections) + "\n</body>\n</html>\n"
-    )
+    sections = [_casts_section(summary, casts), _picture_section(svg), _unlisted_section(summary), _ops_section(summary)]
+    return render_page(f"graphamp: {title}", sections)
 
 
 def _casts_section(summary: dict, casts: CastCounts) -> str:
@@ -105,7 +85,7 @@ def _ops_section(summary: dict) -> str:
     groups = Counter()
     for record in summary["nodes"]:
         # Each inserted cast names the op it feeds; grouped by target dtype they read better.
-        source = "the cast pass" if record["decision"] == "inserted-cast" else record["source"]
+        source = "the cast pass" if record["decision"] == Decision.INSERTED_CAST else record["source"]
         groups[record["op"], runs_in(record) or record["out_dtype"] or "-", record["decision"], source] += 1
     ordered = sorted(groups.items(), key=lambda item: (_DECISION_ORDER.get(item[0][2], 9), -item[1], item[0][0]))
     rows = "\n".join(
@@ -118,6 +98,3 @@ def _ops_section(summary: dict) -> str:
         f"{rows}\n</table>"
     )
 
-
-def escape(text) -> str:
-    return html.escape(str(text))

@@ -26,15 +26,15 @@ from torch.fx import GraphModule, Interpreter, Node
 from torch.fx.node import map_arg
 
 from graphamp.capture import capture
-from graphamp.cast_pass import (
-    EXPLICIT_CAST, INSERTED_CAST, UNLISTED, _norm_parameter_inputs, insert_casts, module_path, node_dtype, written_inputs,
-)
-from graphamp.lists import BLACK, GRAY, WHITE, AutoMixedPrecisionLists, dtype_name, op_lookup_keys
-from graphamp.module import device_of, check_dtype_runs_on, check_master_weights, fp32_placeholders
-from graphamp.numerics import floating_leaves, nonfinite_where_finite, range_in, relative_error
+from graphamp.aten_ops import draws_random_numbers, norm_parameter_inputs, written_inputs
+from graphamp.cast_pass import insert_casts, module_path, node_dtype
+from graphamp.dtypes import dtype_name
+from graphamp.lists import BLACK, GRAY, WHITE, AutoMixedPrecisionLists, Decision, op_lookup_keys
+from graphamp.amp_module import fp32_placeholders
+from graphamp.diagnosis.numerics import floating_leaves, nonfinite_where_finite, range_in, relative_error
 
 _INDEX = "graphamp_doctor_index"  # meta key: a node's place in the captured graph, kept by the rewritten copy
-LIST_DECISIONS = (WHITE, BLACK, GRAY, UNLISTED)  # the ops the lists decide (not the model's casts, not ours)
+LIST_DECISIONS = (WHITE, BLACK, GRAY, Decision.UNLISTED)  # the ops the lists decide (not the model's casts, not ours)
 
 
 @dataclass
@@ -97,8 +97,6 @@ class Probe:
     """A model captured once, with the inputs and parameter copies both runs are fed."""
 
     def __init__(self, model, example_args, example_kwargs, dtype, level="O1", loss_fn=None, loss_scaling=1.0):
-        check_master_weights(model)  # what rewrite() refuses, the doctor refuses too
-        check_dtype_runs_on(device_of(model), dtype, compile=False)
         kwargs = dict(sorted((example_kwargs or {}).items()))  # the order rewrite() captures in
         self.model = model
         self.level = level
@@ -233,7 +231,7 @@ class Probe:
 
     def _low_error(self, node: Node, reference: Reference, low: torch.dtype, aligned: dict) -> float | None:
         """The op on the FP32 run's inputs cast down to `low` (normalization parameters stay FP32)."""
-        keep = _norm_parameter_inputs(node)
+        keep = norm_parameter_inputs(node)
 
         def value(n):
             v = _aligned(n, reference, aligned)
@@ -266,22 +264,11 @@ def _is_op(node: Node) -> bool:
 
 def _reruns(node: Node) -> bool:
     """Whether the op can run again on other inputs: not random (dropout), not in place, not a sub-graph."""
-    if not isinstance(node.target, OpOverload) or _draws_random_numbers(node):
+    if not isinstance(node.target, OpOverload) or draws_random_numbers(node):
         return False
-    if node.meta.get("graphamp", {}).get("decision") in (EXPLICIT_CAST, INSERTED_CAST):
+    if node.meta.get("graphamp", {}).get("decision") in (Decision.EXPLICIT_CAST, Decision.INSERTED_CAST):
         return False
     return not written_inputs(node)
-
-
-def _draws_random_numbers(node: Node) -> bool:
-    """Random ops (dropout, bernoulli); attention and dropout with a probability of 0 draw none."""
-    if torch.Tag.nondeterministic_seeded not in node.target.tags:
-        return False
-    for index, argument in enumerate(node.target._schema.arguments):
-        value = node.kwargs.get(argument.name, node.args[index] if index < len(node.args) else argument.default_value)
-        if (argument.name in ("p", "dropout_p") and value == 0) or (argument.name == "train" and value is False):
-            return False
-    return True
 
 
 def _record(node: Node, value, amp_lists: AutoMixedPrecisionLists, index: int) -> NodeNumerics:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import math
 
-from graphamp.report_page import PAGE_STYLE, escape
+from graphamp.inspection.html_page import escape, format_number, render_page
 
-_STYLE = PAGE_STYLE + "tr.bad td { background: #fde0e0; } .ok { color: #2a7a2a; } .unsure { color: #a06000; }\n"
+_STYLE = "tr.bad td { background: #fde0e0; } .ok { color: #2a7a2a; } .unsure { color: #a06000; }\n"
 _W, _H, _LEFT, _RIGHT, _TOP, _BOTTOM = 1000, 360, 60, 160, 20, 40  # the right margin holds the legend
 _ERROR, _RANGE, _BAD = "#1f77b4", "#ff7f0e", "#d62728"
 _HALO = 'stroke="white" stroke-width="3" paint-order="stroke"'  # keeps a label readable over thousands of points
@@ -30,7 +30,6 @@ def render_doctor_page(report: dict) -> str:
     """report.html's text."""
     title = f"{report['model']} · {report['dtype']} · {report['level']}"
     sections = [
-        f"<h1>graphamp doctor: {escape(title)}</h1>",
         _verdict(report),
         _suggestions_section(report.get("suggestions") or []),
         "<h2>Top offenders</h2>\n" + _node_table(report.get("top_offenders") or [], _OFFENDER_COLUMNS),
@@ -38,10 +37,7 @@ def render_doctor_page(report: dict) -> str:
         _parameters_section(report.get("parameters") or []),
         "<h2>All nodes</h2>\n" + _node_table(report.get("nodes") or [], _NODE_COLUMNS),
     ]
-    return (
-        f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n<title>graphamp doctor: {escape(title)}'
-        f"</title>\n<style>{_STYLE}</style>\n</head>\n<body>\n" + "\n".join(sections) + "\n</body>\n</html>\n"
-    )
+    return render_page(f"graphamp doctor: {title}", sections, _STYLE)
 
 
 def _verdict(report: dict) -> str:
@@ -212,11 +208,3 @@ def _legend() -> str:
                  f'<text x="{x + 10}" y="{y + 54}" dominant-baseline="middle">dtype max</text>')
     return '<g class="legend">' + "".join(marks) + "</g>"
 
-
-def format_number(value) -> str:
-    """3 significant digits: plain from 0.01 to 1000, exponent outside; '-' for not measured."""
-    if value is None:
-        return "-"
-    if not math.isfinite(value):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    return f"{value:.3g}" if value == 0 or 0.01 <= abs(value) < 1000 else f"{value:.2e}"

@@ -1,0 +1,62 @@
+"""The low-precision dtypes: their names, and whether a device can run them."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+__all__ = ["HALF_DTYPES", "check_dtype_runs_on", "dtype_name", "resolve_dtype"]
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+_DTYPE_NAMES = {
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+}
+
+
+def resolve_dtype(dtype) -> torch.dtype:
+    """'float16'/'bfloat16' (or fp16/bf16/half, or the torch dtype) as a torch dtype."""
+    if isinstance(dtype, torch.dtype) and dtype in HALF_DTYPES:
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in _DTYPE_NAMES:
+        return _DTYPE_NAMES[dtype.lower()]
+    raise ValueError(f"dtype={dtype!r} is not a low-precision float: use 'float16' or 'bfloat16'.")
+
+
+def dtype_name(dtype: torch.dtype | None) -> str | None:
+    """torch.bfloat16 -> 'bfloat16', the name users write."""
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def check_dtype_runs_on(device: torch.device | None, dtype: torch.dtype, compile: bool) -> None:
+    """A dtype the device cannot run is an error now, not a crash deep inside a kernel."""
+    if device is None:
+        return
+    if device.type == "cuda":
+        name, capability = torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
+        if dtype == torch.float16 and capability < (5, 3):
+            raise ValueError(f"{name} (sm_{capability[0]}{capability[1]}) has no float16 arithmetic: train it in float32.")
+        if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+            raise ValueError(f"{name} cannot run bfloat16: use AutoMixedPrecisionLists(dtype='float16').")
+        if dtype == torch.bfloat16 and compile and capability < (8, 0):
+            raise ValueError(
+                f"{name} (sm_{capability[0]}{capability[1]}) cannot run inductor's bfloat16 kernels, which need sm_80: "
+                f"use AutoMixedPrecisionLists(dtype='float16') or compile=False."
+            )
+    if device.type == "cpu" and dtype == torch.float16:
+        _warn_float16_on_cpu_once()
+
+
+_warned_float16_on_cpu = False
+
+
+def _warn_float16_on_cpu_once() -> None:
+    global _warned_float16_on_cpu
+    if not _warned_float16_on_cpu:
+        _warned_float16_on_cpu = True
+        warnings.warn(
+            "float16 on CPU runs but is about 100x slower than bfloat16 on this kind of CPU: "
+            "use AutoMixedPrecisionLists(dtype='bfloat16') for speed.",
+            stacklevel=4,
+        )
