@@ -20,6 +20,8 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from graphamp.errors import CaptureError
 
+__all__ = ["Captured", "LiftedInput", "capture", "explain_capture_failure"]
+
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
 _GRAPHAMP_DIR = str(Path(__file__).resolve().parent)
 

@@ -26,6 +26,8 @@ from graphamp.list_files import LIST_FILES
 from graphamp.lists import COLORS, AutoMixedPrecisionLists
 from graphamp.amp_module import rewrite
 
+__all__ = ["main"]
+
 DTYPES = ("float16", "bfloat16")
 
 

@@ -16,6 +16,8 @@ from torch._dynamo.callback import CallbackArgs, CallbackTrigger, callback_handl
 
 from graphamp.progress import Progress
 
+__all__ = ["BACKWARD_PHASE", "FORWARD_PHASE", "CompiledGraph"]
+
 FORWARD_PHASE = "compiling the forward graph with inductor"
 BACKWARD_PHASE = "compiling the backward graph with inductor"
 

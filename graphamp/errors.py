@@ -1,5 +1,7 @@
 """The typed errors graphamp raises: each names the file, line or op at fault and says the fix."""
 
+__all__ = ["CaptureError", "ExportError", "GraphampError", "ListFileError", "LossScalingError"]
+
 
 class GraphampError(Exception):
     """Base class of every error graphamp raises on purpose."""

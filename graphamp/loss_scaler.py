@@ -29,6 +29,8 @@ from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 from graphamp.errors import LossScalingError
 from graphamp.dtypes import HALF_DTYPES
 
+__all__ = ["LossScaler"]
+
 
 _STATE_KEYS = (
     "loss_scaling",

@@ -11,6 +11,8 @@ from graphamp.errors import LossScalingError
 from graphamp.dtypes import HALF_DTYPES, dtype_name, resolve_dtype
 from graphamp.loss_scaler import LossScaler
 
+__all__ = ["OptimizerWithMixedPrecision", "decorate"]
+
 
 def decorate(
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],

@@ -13,6 +13,8 @@ import threading
 import time
 from contextlib import contextmanager
 
+__all__ = ["Progress"]
+
 SLOW_PHASE_S = 2.0
 
 

@@ -21,6 +21,8 @@ from graphamp.dtypes import dtype_name
 from graphamp.lists import BLACK, WHITE, AutoMixedPrecisionLists
 from graphamp.diagnosis.probe import LIST_DECISIONS, NodeNumerics, Probe
 
+__all__ = ["AutoListsResult", "auto_mixed_precision"]
+
 
 @dataclass
 class AutoListsResult:

@@ -27,6 +27,8 @@ from graphamp.diagnosis.suggestions import (
     BLACK_MODULE, WHITE_OP, Suggestion, accuracy_and_speed, fixes_for_nonfinite, lists_with, measured_on_the_loss,
 )
 
+__all__ = ["DoctorReport", "doctor", "format_report"]
+
 
 @dataclass
 class ParameterGradient:

@@ -10,6 +10,8 @@ import math
 
 from graphamp.inspection.html_page import escape, format_number, render_page
 
+__all__ = ["render_doctor_page"]
+
 _STYLE = "tr.bad td { background: #fde0e0; } .ok { color: #2a7a2a; } .unsure { color: #a06000; }\n"
 _W, _H, _LEFT, _RIGHT, _TOP, _BOTTOM = 1000, 360, 60, 160, 20, 40  # the right margin holds the legend
 _ERROR, _RANGE, _BAD = "#1f77b4", "#ff7f0e", "#d62728"

@@ -15,6 +15,8 @@ from graphamp.dtypes import HALF_DTYPES, dtype_name
 from graphamp.list_files import BLACK_MODULES_FILE, LIST_FILES, default_lists_dir
 from graphamp.lists import BLACK, COLORS, GRAY, WHITE, AutoMixedPrecisionLists, canonical_op_name, check_op_name
 
+__all__ = ["write_lists"]
+
 FILES = LIST_FILES
 _WHAT = {
     "white.txt": "ops that run in the low dtype", "black.txt": "ops that run in float32",

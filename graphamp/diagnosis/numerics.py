@@ -11,6 +11,8 @@ import math
 import torch
 import torch.utils._pytree as pytree
 
+__all__ = ["floating_leaves", "nonfinite_where_finite", "range_in", "relative_error", "unit_roundoff"]
+
 
 def floating_leaves(value) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor) and t.is_floating_point()]

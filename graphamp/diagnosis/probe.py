@@ -33,6 +33,8 @@ from graphamp.lists import BLACK, GRAY, WHITE, AutoMixedPrecisionLists, Decision
 from graphamp.amp_module import fp32_placeholders
 from graphamp.diagnosis.numerics import floating_leaves, nonfinite_where_finite, range_in, relative_error
 
+__all__ = ["Comparison", "LIST_DECISIONS", "NodeNumerics", "Probe", "Reference"]
+
 _INDEX = "graphamp_doctor_index"  # meta key: a node's place in the captured graph, kept by the rewritten copy
 LIST_DECISIONS = (WHITE, BLACK, GRAY, Decision.UNLISTED)  # the ops the lists decide (not the model's casts, not ours)
 

@@ -23,6 +23,17 @@ from graphamp.lists import BLACK, WHITE, AutoMixedPrecisionLists
 from graphamp.diagnosis.numerics import unit_roundoff
 from graphamp.diagnosis.probe import LIST_DECISIONS, Comparison, NodeNumerics, Probe, Reference
 
+__all__ = [
+    "MAX_FIX_ROUNDS",
+    "ROUNDINGS_ALLOWED",
+    "Suggestion",
+    "UNDERFLOW_ALLOWED",
+    "accuracy_and_speed",
+    "fixes_for_nonfinite",
+    "lists_with",
+    "measured_on_the_loss",
+]
+
 BLACK_OP, BLACK_MODULE, WHITE_OP = "black_op", "black_module", "white_op"
 MAX_FIX_ROUNDS = 8
 # A low-precision op whose own error exceeds this many unit roundoffs of its dtype is badly conditioned there.

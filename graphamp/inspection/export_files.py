@@ -28,6 +28,8 @@ from graphamp.inspection.graph_picture import render_svg
 from graphamp.inspection.recording import DtypeRecorder
 from graphamp.inspection.report_page import CastCounts, render_report
 
+__all__ = ["FILES", "export"]
+
 FILES = ("graph.py", "graph.json", "graph.svg", "report.html", "diff.txt")
 
 

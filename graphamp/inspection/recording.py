@@ -13,6 +13,8 @@ from torch._higher_order_ops.cond import cond_op
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+__all__ = ["DtypeRecorder", "KernelCall", "floating"]
+
 
 @dataclass
 class KernelCall:

@@ -14,6 +14,8 @@ from graphamp.inspection.graph_picture import CAST_FILL, FILL, OTHER_FILL, runs_
 from graphamp.inspection.html_page import escape, render_page
 from graphamp.lists import Decision
 
+__all__ = ["CastCounts", "render_report"]
+
 _DECISION_ORDER = {decision: order for order, decision in enumerate(Decision)}
 @dataclass
 class CastCounts:
