@@ -166,14 +166,21 @@ def rewrite(
 ) -> AmpModule:
     """Capture `model` with torch.export and return an AmpModule that runs it in mixed precision.
 
-    example_args/example_kwargs: a call of the model, used for the first capture (in the model's current
-    train/eval mode); other modes and input shapes are captured on first use.
-    amp_lists: the white/black/gray lists and dtype (default: the shipped lists, float16).
-    level: "O1" — lists decide; "O2" — everything but black ops and normalization parameters runs low.
-    compile: hand each rewritten graph to torch.compile (inductor).
-    fp32_outputs: cast floating outputs back to float32 (the loss comes back FP32).
-    progress: a line on stderr per phase (capture, cast pass, inductor compiles) — None: phases still running
-    after 2 s; True: every phase; False: none. Each capture's `timings` has the seconds either way.
+    Args:
+        model: the FP32 nn.Module to train; its parameters stay the master weights.
+        example_args: positional inputs of one call, for the first capture (in the model's current train/eval
+            mode); other modes and input signatures are captured on first use. A single tensor may be passed bare.
+        example_kwargs: keyword inputs of that call.
+        amp_lists: the white/black/gray lists and dtype (default: the shipped lists, float16).
+        level: "O1" — the lists decide; "O2" — everything but black ops and normalization parameters runs low.
+        compile: hand each rewritten graph to torch.compile (inductor).
+        fp32_outputs: cast floating outputs back to float32 (the loss comes back FP32).
+        max_captures: how many captures (mode and input signature) to keep; the oldest is dropped past it.
+        progress: a line on stderr per phase (capture, cast pass, inductor compiles) — None: phases still
+            running after 2 s; True: every phase; False: none. `timings` has the seconds either way.
+
+    Returns:
+        An AmpModule to train in place of `model`.
     """
     example_args, example_kwargs, amp_lists = check_entry_arguments(
         "rewrite", model, example_args, example_kwargs, amp_lists, level, compile

@@ -110,6 +110,15 @@ class AutoMixedPrecisionLists:
     Defaults come from the `lists/` files (or `lists_dir`, which replaces them); custom lists follow
     Paddle's rules: a custom white op leaves black and gray, a custom black op leaves white and gray, a
     custom gray op leaves white and black, and an op in two custom lists is a ValueError.
+
+    Args:
+        custom_white_list: ops that run in the low dtype ('linear', 'add.Tensor', 'mylib::op').
+        custom_black_list: ops that run in float32.
+        custom_gray_list: ops that follow their floating inputs.
+        custom_black_modules: module paths or glob patterns ('lm_head', 'encoder.layer.*.attention') whose ops
+            all run in float32.
+        dtype: 'float16' or 'bfloat16' (or the torch dtype).
+        lists_dir: a folder of list files that replaces the shipped lists/ (see lists/README.md).
     """
 
     def __init__(

@@ -69,9 +69,18 @@ def auto_mixed_precision(
 ) -> AutoListsResult:
     """Lists that run as many ops low as the tolerance allows on this model and input.
 
-    tolerance: the largest relative error of the loss against FP32 (of the floating outputs when the model
-    returns no scalar loss), measured forward on the example inputs.
-    amp_lists: where the search starts, and the dtype (default: the shipped lists, float16).
+    Args:
+        model: the FP32 nn.Module; it is captured once and left untouched (the runs use copies).
+        example_args, example_kwargs: one call of the model, the inputs the search is judged on.
+        tolerance: the largest relative error of the loss against FP32 (of the floating outputs when the
+            model returns no scalar loss), measured forward on the example inputs.
+        amp_lists: where the search starts, and the dtype (default: the shipped lists, float16).
+        level: "O1" or "O2", as for `rewrite`.
+        loss_fn: `loss_fn(outputs) -> scalar` for a model that returns no loss.
+
+    Returns:
+        An AutoListsResult: `amp_lists`, the entries moved each way with their measured reasons, and
+        `write(folder)`.
     """
     example_args, example_kwargs, start = check_entry_arguments(
         "auto_mixed_precision", model, example_args, example_kwargs, amp_lists, level

@@ -137,12 +137,23 @@ def doctor(
 ) -> DoctorReport:
     """Run `model` forward and backward in FP32 and rewritten by `amp_lists`, node by node on the same inputs.
 
-    steps: runs to measure, each with its own random numbers (dropout), the same for both precisions; the
-    report keeps the worst figure of each node over them.
-    loss_fn: `loss_fn(outputs) -> scalar` for a model that returns no loss (default: its first scalar output).
-    loss_scaling: the loss is multiplied by it before backward (and gradients divided after), as a loss
-    scaler would: pass `optimizer.get_loss_scaling()` to see float16 gradients as training computes them.
     The model's parameters, gradients, buffers and RNG state are left as they were.
+
+    Args:
+        model: the FP32 nn.Module to diagnose.
+        example_args, example_kwargs: one call of the model.
+        amp_lists: the lists to diagnose (default: the shipped lists, float16).
+        steps: runs to measure, each with its own random numbers (dropout), the same for both precisions;
+            the report keeps the worst figure of each node over them.
+        level: "O1" or "O2", as for `rewrite`.
+        loss_fn: `loss_fn(outputs) -> scalar` for a model that returns no loss (default: its first scalar
+            output; forward only when there is none).
+        loss_scaling: the loss is multiplied by it before backward (and gradients divided after), as a loss
+            scaler would: pass `optimizer.get_loss_scaling()` to see float16 gradients as training has them.
+
+    Returns:
+        A DoctorReport: the first inf/NaN forward and backward, every node's figures, the suggestions
+        (`suggested_lists()`, `apply(folder)`), and `write(folder)` for report.json and report.html.
     """
     example_args, example_kwargs, amp_lists = check_entry_arguments(
         "doctor", model, example_args, example_kwargs, amp_lists, level
