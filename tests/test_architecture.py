@@ -1,0 +1,104 @@
+"""The package's shape: public names, imports that run one way, old module paths, what captures keep."""
+
+import ast
+import importlib
+import importlib.metadata
+import pkgutil
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import graphamp
+
+PACKAGE = Path(graphamp.__file__).resolve().parent
+TOOLS = ("graphamp.inspection", "graphamp.diagnosis")
+
+
+def graphamp_modules():
+    for info in pkgutil.walk_packages([str(PACKAGE)], prefix="graphamp."):
+        yield info.name
+
+
+@pytest.mark.parametrize("name", [
+    "AmpModule", "OptimizerWithMixedPrecision", "LossScaler", "RewriteReport", "DoctorReport", "AutoListsResult",
+    "AutoMixedPrecisionLists", "Decision", "rewrite", "decorate", "export", "doctor", "auto_mixed_precision",
+])
+def test_the_types_and_functions_users_hold_are_public(name):
+    assert name in graphamp.__all__
+    assert getattr(graphamp, name).__module__.startswith("graphamp.")
+
+
+def test_version_is_the_installed_distributions():
+    assert graphamp.__version__ == importlib.metadata.version("graphamp")
+
+
+def test_no_public_function_shares_its_name_with_a_submodule():
+    modules = set(graphamp_modules())
+    clashes = [name for name in graphamp.__all__ if f"graphamp.{name}" in modules]
+    assert clashes == []
+
+
+def test_every_public_module_declares_all():
+    missing = [name for name in graphamp_modules() if not name.rpartition(".")[2].startswith("_")
+               and not hasattr(importlib.import_module(name), "__all__")
+               and not name.endswith(TOOLS)]
+    assert missing == []
+
+
+def test_the_core_imports_nothing_from_the_tools():
+    offenders = []
+    for path in PACKAGE.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            imported = [node.module or ""] if isinstance(node, ast.ImportFrom) else (
+                [alias.name for alias in node.names] if isinstance(node, ast.Import) else [])
+            offenders += [f"{path.name}: {name}" for name in imported if name.startswith(TOOLS)]
+    allowed = {"__init__.py", "cli.py"}  # the public surface and the command sit on top of everything
+    assert [o for o in offenders if o.split(":")[0] not in allowed] == []
+
+
+@pytest.mark.parametrize("old, new", [
+    ("graphamp.module", "graphamp.amp_module"), ("graphamp.scaling", "graphamp.loss_scaler"),
+    ("graphamp.export", "graphamp.inspection.export_files"), ("graphamp.doctor", "graphamp.diagnosis.diagnose"),
+    ("graphamp.recording", "graphamp.inspection.recording"),
+])
+def test_an_old_module_path_says_where_it_moved(old, new):
+    with pytest.raises(ModuleNotFoundError, match=f"import {new}"):
+        importlib.import_module(old)
+
+
+def test_the_functions_keep_their_names_after_importing_the_tools():
+    import graphamp.diagnosis.diagnose
+    import graphamp.inspection.export_files  # noqa: F401
+
+    assert callable(graphamp.export) and callable(graphamp.doctor)
+    assert graphamp.diagnosis.diagnose.DoctorReport is graphamp.DoctorReport
+
+
+class TwoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x))).sum()
+
+
+def test_only_the_newest_capture_keeps_its_example_batch(bf16):
+    amp_model = graphamp.rewrite(TwoLayers(), (torch.randn(4, 8),), amp_lists=bf16)
+    for batch in (3, 5, 6):
+        amp_model(torch.randn(batch, 8))
+    kept = [c for c in amp_model.captures if c.example_inputs is not None]
+    assert len(amp_model.captures) == 4 and kept == [amp_model.captures[-1]]
+
+
+def test_export_of_an_older_capture_asks_for_inputs_and_takes_them(bf16, tmp_path):
+    amp_model = graphamp.rewrite(TwoLayers(), (torch.randn(4, 8),), amp_lists=bf16)
+    amp_model(torch.randn(3, 8))
+    amp_model(torch.randn(4, 8))  # the first capture again: it no longer holds its batch
+    with pytest.raises(ValueError, match="pass example_args"):
+        graphamp.export(amp_model, tmp_path / "a")
+    out = graphamp.export(amp_model, tmp_path / "b", example_args=(torch.randn(4, 8),))
+    page = (out / "report.html").read_text()
+    assert "torch.autocast on the original model</td><td class=n>" in page and "not measured" not in page
