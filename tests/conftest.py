@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import graphamp
+from training import loss_of
 
 
 @pytest.fixture(scope="session")
@@ -31,26 +32,24 @@ def seeded():
 
 
 def write_list_folder(folder: Path, **files: str) -> Path:
-    """A lists folder: write_list_folder(path, white="mm\\n") writes white.txt; the other list files are empty."""
+    """A lists folder: write_list_folder(path, white="mm\\n", black_modules="lm_head\\n") writes white.txt and
+    black_modules.txt; white/black/gray not given are written empty. A name with a dot is a file name as it is."""
+    folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     for color in ("white", "black", "gray"):
-        (folder / f"{color}.txt").write_text(files.pop(color, ""))
+        files.setdefault(color, "")
     for name, text in files.items():
-        (folder / name).write_text(text)
+        (folder / (name if "." in name else f"{name}.txt")).write_text(text)
     return folder
 
 
 @pytest.fixture
 def write_lists():
-    """The function write_list_folder, for tests that take it as a fixture."""
+    """write_list_folder, as a fixture."""
     return write_list_folder
-
-
-def loss_of(out) -> torch.Tensor:
-    """The HF loss when the model computes one, else a scalar of the output."""
-    return out.loss if hasattr(out, "loss") else out.float().pow(2).mean()
 
 
 @pytest.fixture
 def hf_loss():
+    """training.loss_of: the HF loss when the model computes one, else a scalar of the output."""
     return loss_of

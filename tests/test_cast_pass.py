@@ -12,6 +12,7 @@ import graphamp
 import models
 from graphamp import AutoMixedPrecisionLists
 from graphamp.inspection.recording import DtypeRecorder, floating
+from training import loss_of
 
 BF16 = AutoMixedPrecisionLists(dtype="bfloat16")
 CAST = torch.ops.aten._to_copy.default
@@ -117,8 +118,8 @@ def test_integer_and_bool_tensors_are_never_cast():
 
     tokens, mask = torch.randint(0, 10, (2, 5)), torch.rand(2, 5) > 0.5
     amp = rewrite_bf16(Masked(), tokens, mask)
-    for cast in inserted_casts(amp.graph_module):
-        assert cast.args[0].meta["val"].dtype.is_floating_point
+    casts = inserted_casts(amp.graph_module)
+    assert casts and all(cast.args[0].meta["val"].dtype.is_floating_point for cast in casts)
     with DtypeRecorder() as rec:
         amp(tokens, mask)
     assert rec.calls_of("embedding")[0].in_dtypes == (torch.float32, torch.int64)
@@ -157,8 +158,8 @@ def test_no_value_is_cast_to_the_same_dtype_twice():
 
 def test_no_cast_to_a_values_own_dtype():
     amp = graphamp.rewrite(models.gpt2(), (), {"input_ids": models.token_batch()}, amp_lists=BF16)
-    for cast in inserted_casts(amp.graph_module):
-        assert cast.args[0].meta["val"].dtype != cast.kwargs["dtype"]
+    casts = inserted_casts(amp.graph_module)
+    assert casts and all(cast.args[0].meta["val"].dtype != cast.kwargs["dtype"] for cast in casts)
 
 
 def test_cast_of_an_inserted_cast_is_folded_into_it():
@@ -171,8 +172,8 @@ def test_cast_of_an_inserted_cast_is_folded_into_it():
             return self.fc(x).sum() + torch.exp(self.fc.weight).sum()  # weight: white linear, then black exp
 
     amp = graphamp.rewrite(WeightTwice(), (torch.randn(2, 8),), amp_lists=AutoMixedPrecisionLists(dtype="float16"))
-    for cast in inserted_casts(amp.graph_module):
-        assert cast.args[0].target != CAST  # never a cast of a cast
+    casts = inserted_casts(amp.graph_module)
+    assert casts and all(cast.args[0].target != CAST for cast in casts)  # never a cast of a cast
     (exp,) = [n for n in amp.graph_module.graph.nodes if n.target == torch.ops.aten.exp.default]
     assert exp.args[0].op == "placeholder"  # the FP32 master weight itself, not bf16 -> fp32
 
@@ -334,10 +335,6 @@ def test_float16_lists_keep_exp_fp32_and_bfloat16_lets_it_follow():
 def test_casts_executed_are_no_more_than_torch_autocast(name):
     """graphamp shares one cast per value; autocast casts per consuming op. BERT's q/k/v share an input."""
     model, args, kwargs = _model_and_inputs(name)
-
-    def loss_of(out):
-        return out.loss if hasattr(out, "loss") else out.float().square().mean()
-
     with DtypeRecorder() as autocast_run:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = loss_of(model(*args, **kwargs))

@@ -16,16 +16,6 @@ REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 
 
-def write_lists(folder: Path, **files) -> Path:
-    """A lists folder: write_lists(path, white="mm\\n") writes white.txt; other files are empty."""
-    folder.mkdir(parents=True, exist_ok=True)
-    for color in ("white", "black", "gray"):
-        (folder / f"{color}.txt").write_text(files.pop(color, ""))
-    for name, text in files.items():
-        (folder / name).write_text(text)
-    return folder
-
-
 @pytest.fixture
 def factory_module(tmp_path, monkeypatch):
     """Write `name.py` holding `source` into the current folder (tmp_path); returns name."""
@@ -50,7 +40,7 @@ def test_lists_prints_every_entry_with_its_source(capsys):
     assert any(line.split()[:1] == ["addmm"] and "lists/white.txt:" in line for line in out.splitlines())
 
 
-def test_lists_reads_the_folder_given(tmp_path, capsys):
+def test_lists_reads_the_folder_given(tmp_path, capsys, write_lists):
     folder = write_lists(tmp_path / "mine", white="# mine\nmm\n")
 
     assert main(["lists", "--lists", str(folder)]) == 0
@@ -76,7 +66,7 @@ def test_check_lists_accepts_the_shipped_lists(capsys):
     assert f"OK (float16: {white} white" in capsys.readouterr().out
 
 
-def test_check_lists_names_file_line_and_the_closest_op(tmp_path, capsys):
+def test_check_lists_names_file_line_and_the_closest_op(tmp_path, capsys, write_lists):
     folder = write_lists(tmp_path / "mine", black="softmax\nlayer_nrom\n")
 
     assert main(["check-lists", str(folder)]) == 1
@@ -86,7 +76,7 @@ def test_check_lists_names_file_line_and_the_closest_op(tmp_path, capsys):
     assert "Did you mean 'layer_norm'" in err
 
 
-def test_check_lists_rejects_an_op_on_two_lists(tmp_path, capsys):
+def test_check_lists_rejects_an_op_on_two_lists(tmp_path, capsys, write_lists):
     folder = write_lists(tmp_path / "mine", white="mm\n", gray="mm\n")
 
     assert main(["check-lists", str(folder)]) == 1
@@ -94,7 +84,7 @@ def test_check_lists_rejects_an_op_on_two_lists(tmp_path, capsys):
     assert f"{folder / 'white.txt'}:1" in capsys.readouterr().err
 
 
-def test_check_lists_rejects_a_bad_section_header(tmp_path, capsys):
+def test_check_lists_rejects_a_bad_section_header(tmp_path, capsys, write_lists):
     folder = write_lists(tmp_path / "mine", gray="add\n[fp16]\nexp\n")
 
     assert main(["check-lists", str(folder)]) == 1
@@ -102,7 +92,7 @@ def test_check_lists_rejects_a_bad_section_header(tmp_path, capsys):
     assert f"{folder / 'gray.txt'}:2: unknown section '[fp16]'" in capsys.readouterr().err
 
 
-def test_check_lists_names_a_misnamed_list_file(tmp_path, capsys):
+def test_check_lists_names_a_misnamed_list_file(tmp_path, capsys, write_lists):
     folder = write_lists(tmp_path / "mine", **{"whitelist.txt": "mm\n"})
 
     assert main(["check-lists", str(folder)]) == 1
@@ -110,7 +100,7 @@ def test_check_lists_names_a_misnamed_list_file(tmp_path, capsys):
     assert "whitelist.txt: graphamp does not read this file; did you mean white.txt?" in capsys.readouterr().err
 
 
-def test_check_lists_warns_about_a_custom_op_not_registered_yet(tmp_path, capsys):
+def test_check_lists_warns_about_a_custom_op_not_registered_yet(tmp_path, capsys, write_lists):
     folder = write_lists(tmp_path / "mine", white="mylib::fused_gelu\n")
 
     assert main(["check-lists", str(folder)]) == 0
@@ -156,7 +146,7 @@ def test_export_writes_the_files_for_gpt2(factory_module, tmp_path, capsys):
     assert "casts inserted" in capsys.readouterr().out
 
 
-def test_export_takes_lists_and_level(factory_module, tmp_path):
+def test_export_takes_lists_and_level(factory_module, tmp_path, write_lists):
     module = factory_module("mlp_factory", (
         "import torch\nfrom torch import nn\n\n"
         "def mlp():\n    return nn.Sequential(nn.Linear(4, 4), nn.ReLU()), torch.randn(2, 4)\n"
@@ -295,7 +285,7 @@ def test_help_of_each_command_says_what_it_does_with_an_example(command, capsys)
     assert f"example:\n  graphamp {command} " in out
 
 
-def test_graphamp_is_a_console_script_whose_exit_status_is_mains(tmp_path):
+def test_graphamp_is_a_console_script_whose_exit_status_is_mains(tmp_path, write_lists):
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     folder = write_lists(tmp_path / "mine", white="mmm\n")
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import graphamp
 from models import LSTMClassifier, PooledSum, SmallResNet, bert, digits, gpt2, large_inputs, token_batch
 from graphamp.inspection.recording import DtypeRecorder
-from training import mean_loss_of_first_and_last_epoch, relative_error
+from training import adamw, hf_loss, mean_loss_of_first_and_last_epoch, relative_error
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -39,14 +39,6 @@ TRAINING_LOSS_RTOL = 5e-3
 def fp32_without_tf32(monkeypatch):
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-
-
-def hf_loss(out, _):
-    return out.loss
-
-
-def adamw(lr):
-    return lambda parameters: torch.optim.AdamW(parameters, lr=lr)
 
 
 def gpt2_case():

@@ -24,7 +24,7 @@ from models import (
     gpt2,
     token_batch,
 )
-from training import mean_loss_of_first_and_last_epoch, relative_error
+from training import adamw, hf_loss, mean_loss_of_first_and_last_epoch, relative_error, sgd
 
 # Measured on this CPU (torch 2.13) at the seeds the tests use, with the worst of 5 seeds (of the weights) in
 # brackets; tolerances are 2x-5x the worst measured value.
@@ -212,18 +212,6 @@ def train(model, batches, loss_fn, make_optimizer, amp_lists=None, loss_scaling=
         optimizer = graphamp.decorate(optimizer, amp_lists=amp_lists)
     first, last = mean_loss_of_first_and_last_epoch(net, optimizer, batches, loss_fn, TRAINING_STEPS)
     return first, last, optimizer
-
-
-def hf_loss(out, _):
-    return out.loss
-
-
-def adamw(lr):
-    return lambda parameters: torch.optim.AdamW(parameters, lr=lr)
-
-
-def sgd(lr, momentum=0.0):
-    return lambda parameters: torch.optim.SGD(parameters, lr=lr, momentum=momentum)
 
 
 def gpt2_training():

@@ -11,6 +11,24 @@ def relative_error(a, b) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
+def loss_of(out) -> torch.Tensor:
+    """The HF loss when the model computes one, else a scalar of the output."""
+    return out.loss if hasattr(out, "loss") else out.float().pow(2).mean()
+
+
+def hf_loss(out, _target) -> torch.Tensor:
+    """The loss of a training batch whose model computes it (HF models given labels)."""
+    return out.loss
+
+
+def adamw(lr):
+    return lambda parameters: torch.optim.AdamW(parameters, lr=lr)
+
+
+def sgd(lr, momentum=0.0):
+    return lambda parameters: torch.optim.SGD(parameters, lr=lr, momentum=momentum)
+
+
 def mean_loss_of_first_and_last_epoch(net, optimizer, batches, loss_fn, steps: int) -> tuple[float, float]:
     """`steps` steps cycling over `batches` of (args, kwargs, target); a decorated optimizer minimizes the loss."""
     losses = []
