@@ -11,7 +11,6 @@ next-token task (sequences counting upwards modulo the vocabulary), so the loss 
 """
 
 import argparse
-import os
 from pathlib import Path
 
 import torch
@@ -22,6 +21,7 @@ from torch.distributed.fsdp import fully_shard
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import graphamp
+from ddp_train import start_process_group
 
 VOCAB, SEQUENCE = 128, 32
 
@@ -38,16 +38,6 @@ def parse_args():
     parser.add_argument("--checkpoint-dir", type=Path, help="write a DCP checkpoint there at the end")
     parser.add_argument("--resume", type=Path, help="a DCP checkpoint written by this script")
     return parser.parse_args()
-
-
-def start_process_group() -> torch.device:
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-        return device
-    dist.init_process_group("gloo")
-    return torch.device("cpu")
 
 
 def batch(step: int, batch_size: int, device: torch.device) -> torch.Tensor:

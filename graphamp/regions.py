@@ -15,13 +15,12 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import operator
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.export.graph_signature import ConstantArgument, TensorArgument
+from torch.export.graph_signature import TensorArgument
 
 from graphamp.capture import Captured, LiftedInput
 from graphamp.compiled import CompiledGraph
@@ -108,7 +107,7 @@ class Piece:
     run: object  # graph_module, or its CompiledGraph
     tensor_positions: list[int]  # which leaves of the flattened (args, kwargs) the graph takes
     state: list[LiftedInput]  # the block's parameters/buffers, read at call time
-    outputs: list  # per output leaf: an index into the graph's outputs, or ConstantArgument's value
+    outputs: list  # per output leaf: an index into the graph's outputs, or a ConstantArgument
     out_spec: pytree.TreeSpec
 
 
