@@ -21,6 +21,7 @@ from graphamp.compiled import CompiledGraph
 from graphamp.dtypes import HALF_DTYPES, check_dtype_runs_on, dtype_name
 from graphamp.lists import AutoMixedPrecisionLists
 from graphamp.progress import Progress
+from graphamp.regions import Regions, check_sharding, region_paths
 
 __all__ = ["AmpModule", "rewrite"]
 
@@ -39,7 +40,7 @@ class AmpModule(nn.Module):
 
     def __init__(
         self, model, amp_lists, level="O1", compile=False, fp32_outputs=True, max_captures=DEFAULT_MAX_CAPTURES,
-        progress=None,
+        progress=None, regions=None,
     ):
         super().__init__()
         self.__dict__["_original"] = model  # not registered: its tables are ours already
@@ -55,6 +56,7 @@ class AmpModule(nn.Module):
         self.progress = Progress(progress)
         self._captures: OrderedDict[Hashable, Captured] = OrderedDict()
         self._last: Captured | None = None
+        self._regions = Regions(model, region_paths(model, regions)) if regions is not None else None
 
     @property
     def original_module(self) -> nn.Module:
@@ -98,6 +100,8 @@ class AmpModule(nn.Module):
 
     def forward(self, *args, **kwargs):
         captured, flat_inputs = self._captured_for(args, kwargs)
+        if self._regions is not None:
+            return self._regions.call(captured, args, kwargs)
         lifted = [source.get() for source in captured.lifted]
         outputs = captured.run(*lifted, *flat_inputs)
         return pytree.tree_unflatten([outputs[i] for i in captured.user_outputs], captured.out_spec)
@@ -128,13 +132,20 @@ class AmpModule(nn.Module):
     def _capture(self, args: tuple, kwargs: dict) -> Captured:
         timings = {}
         with self.progress.phase(CAPTURE_PHASE, timings):
-            captured = capture(self._original, args, kwargs)
+            if self._regions is None:
+                captured = capture(self._original, args, kwargs)
+            else:
+                with self._regions.capturing():
+                    captured = capture(self._original, args, kwargs, self._regions.paths)
         with self.progress.phase(CAST_PASS_PHASE, timings):
             captured.report = insert_casts(
                 captured.graph_module, self.amp_lists, self.level, self.fp32_outputs,
                 fp32_placeholders(self._original, captured, self.level),
             )
         captured.timings = timings
+        if self._regions is not None:
+            captured.run = self._regions.split(captured, self.compile, self.progress, timings)
+            return captured
         captured.run = (
             CompiledGraph(captured.graph_module, self.progress, timings) if self.compile else captured.graph_module
         )
@@ -163,6 +174,7 @@ def rewrite(
     fp32_outputs: bool = True,
     max_captures: int = DEFAULT_MAX_CAPTURES,
     progress: bool | None = None,
+    regions: str | list[str] | None = None,
 ) -> AmpModule:
     """Capture `model` with torch.export and return an AmpModule that runs it in mixed precision.
 
@@ -178,6 +190,9 @@ def rewrite(
         max_captures: how many captures (mode and input signature) to keep; the oldest is dropped past it.
         progress: a line on stderr per phase (capture, cast pass, inductor compiles) — None: phases still
             running after 2 s; True: every phase; False: none. `timings` has the seconds either way.
+        regions: module-path patterns of the blocks that run as their own graphs, called through their modules
+            (hooks, FSDP2 sharding, activation checkpointing), e.g. "transformer.h.*"; identical blocks share
+            one graph and one compile. See docs/distributed.md.
 
     Returns:
         An AmpModule to train in place of `model`.
@@ -185,7 +200,8 @@ def rewrite(
     example_args, example_kwargs, amp_lists = check_entry_arguments(
         "rewrite", model, example_args, example_kwargs, amp_lists, level, compile
     )
-    amp_model = AmpModule(model, amp_lists, level, compile, fp32_outputs, max_captures, progress)
+    check_sharding(model, regions)
+    amp_model = AmpModule(model, amp_lists, level, compile, fp32_outputs, max_captures, progress, regions)
     amp_model._captured_for(example_args, example_kwargs)
     return amp_model
 

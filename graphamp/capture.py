@@ -56,17 +56,25 @@ class Captured:
     # The (args, kwargs) it was captured on, for export's reruns; an AmpModule keeps them on its newest capture only.
     example_inputs: tuple | None = None
     training: bool = True  # the model's mode when captured
+    # Module path -> torch.export's ModuleCallSignature, for the modules captured with preserve_module_call_signature.
+    module_calls: dict = field(default_factory=dict)
 
 
-def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
-    """Export `model` on (args, kwargs) in its current train/eval mode; raise CaptureError if it cannot be."""
+def capture(model: nn.Module, args: tuple, kwargs: dict, preserve_module_call_signature: tuple = ()) -> Captured:
+    """Export `model` on (args, kwargs) in its current train/eval mode; raise CaptureError if it cannot be.
+
+    preserve_module_call_signature: module paths whose calls' inputs and outputs are recorded in `module_calls`.
+    """
     args, kwargs = _ordinary_tensors((args, kwargs))
     try:
         # Grad mode is fixed so that one graph serves calls under no_grad/inference_mode too.
         with torch.inference_mode(False), torch.enable_grad(), warnings.catch_warnings():
             # nn.RNN keeps a Python list of its own parameters; export flags it, but they are parameters.
             warnings.filterwarnings("ignore", message=r"The tensor attributes self\..*_flat_weights")
-            program = torch.export.export(model, tuple(args), kwargs, strict=False)
+            program = torch.export.export(
+                model, tuple(args), kwargs, strict=False,
+                preserve_module_call_signature=tuple(preserve_module_call_signature),
+            )
     except CaptureError:
         raise
     except Exception as error:
@@ -74,6 +82,7 @@ def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
     captured = _from_program(model, program)
     captured.example_inputs = (tuple(args), kwargs)
     captured.training = model.training
+    captured.module_calls = {e.fqn: e.signature for e in program.module_call_graph if e.signature is not None}
     return captured
 
 

@@ -223,3 +223,32 @@ def pairs_near_1000(n=64, seed=0):
     generator = torch.Generator().manual_seed(seed)
     offsets = torch.randn(n, 1, generator=generator)
     return torch.cat([1000 + offsets, torch.full_like(offsets, 1000.0)], dim=1)
+
+
+class ResidualBlock(nn.Module):
+    """A pre-norm MLP block with a residual, the shape of a transformer layer without attention."""
+
+    def __init__(self, width=64):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class BlockStack(nn.Module):
+    """Embedding, identical residual blocks in `blocks`, a head and the loss: what regions and FSDP2 cut apart."""
+
+    def __init__(self, n_blocks=2, width=64):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, width)
+        self.blocks = nn.ModuleList(ResidualBlock(width) for _ in range(n_blocks))
+        self.head = nn.Linear(width, VOCAB)
+
+    def forward(self, tokens, labels):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())

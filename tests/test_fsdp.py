@@ -1,0 +1,264 @@
+"""FSDP2 per-block sharding with regional rewrite, DCP checkpoints and DDP + compile: 2 gloo processes on CPU.
+
+As in test_distributed.py, one 2-process job runs every scenario on both ranks and each test reads the results of
+one. Order of FSDP2's docs: fully_shard(block) for each block, fully_shard(model), then graphamp.rewrite(model, ...,
+regions="blocks.*") and decorate(AdamW(model.parameters())).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+import graphamp
+from models import VOCAB, BlockStack
+
+WORLD_SIZE = 2
+JOB_TIMEOUT_S = 300  # two inductor compiles per rank on shared CPU cores
+COLLECTIVE_TIMEOUT_S = 120
+STEPS = 5
+INF = float("inf")
+FP16 = graphamp.AutoMixedPrecisionLists(dtype="float16")
+BF16 = graphamp.AutoMixedPrecisionLists(dtype="bfloat16")
+
+
+def rank_batches(rank: int, steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Different token batches on each rank, the same on every run."""
+    generator = torch.Generator().manual_seed(100 + rank)
+    return [(t, t.roll(-1, 1)) for t in torch.randint(0, VOCAB, (steps, 4, 16), generator=generator)]
+
+
+def flat(tensors) -> torch.Tensor:
+    return torch.cat([(t.full_tensor() if isinstance(t, DTensor) else t).detach().reshape(-1).float() for t in tensors])
+
+
+def sharded_model(seed: int = 0, lists=FP16, **rewrite_options):
+    torch.manual_seed(seed)  # FSDP2 broadcasts nothing: every rank builds the same weights
+    model = BlockStack(n_blocks=2)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    tokens, labels = rank_batches(0)[0]
+    return model, graphamp.rewrite(model, (tokens, labels), amp_lists=lists, regions="blocks.*", **rewrite_options)
+
+
+def ddp_model(lists=FP16, compile=False):
+    torch.manual_seed(0)
+    tokens, labels = rank_batches(0)[0]
+    return DistributedDataParallel(graphamp.rewrite(BlockStack(n_blocks=2), (tokens, labels), amp_lists=lists, compile=compile))
+
+
+def train(model, optimizer, batches) -> list[float]:
+    losses = []
+    for tokens, labels in batches:
+        loss = model(tokens, labels)
+        optimizer.zero_grad()
+        optimizer.minimize(loss)
+        losses.append(loss.item())
+    return losses
+
+
+def decorated(parameters, lists=FP16):
+    return graphamp.decorate(torch.optim.AdamW(parameters, lr=1e-2), lists, incr_every_n_steps=2)
+
+
+# -- scenarios --------------------------------------------------------------------------------------------------------
+
+
+def scenario_fsdp_training(rank):
+    model, amp_model = sharded_model()
+    optimizer = decorated(amp_model.parameters())
+    losses = train(amp_model, optimizer, rank_batches(rank))
+    parameters = list(model.parameters())
+    return {
+        "losses": losses,
+        "parameters": flat(parameters),
+        "all_sharded": all(isinstance(p, DTensor) for p in parameters),
+        "local_fraction": sum(p.to_local().numel() for p in parameters) / sum(p.numel() for p in parameters),
+        "loss_scaling": optimizer.get_loss_scaling(),
+    }
+
+
+def scenario_ddp_training(rank):
+    model = ddp_model()
+    optimizer = decorated(model.parameters())
+    losses = train(model, optimizer, rank_batches(rank))
+    return {"losses": losses, "parameters": flat(model.parameters()), "loss_scaling": optimizer.get_loss_scaling()}
+
+
+def scenario_fsdp_inf_on_rank_1(rank):
+    model, amp_model = sharded_model()
+    optimizer = graphamp.decorate(torch.optim.SGD(amp_model.parameters(), lr=0.1), FP16, init_loss_scaling=1024.0)
+    tokens, labels = rank_batches(rank)[0]
+    before = flat(model.parameters())
+    optimizer.backward(amp_model(tokens, labels))
+    if rank == 1:
+        model.blocks[1].up.weight.grad.to_local().view(-1)[0] = INF  # this rank's shard only
+    optimizer.step()
+    return {
+        "moved": not torch.equal(before, flat(model.parameters())),
+        "skipped_steps": optimizer.skipped_steps,
+        "loss_scaling": optimizer.get_loss_scaling(),
+    }
+
+
+def checkpoint_state(model, optimizer) -> dict:
+    model_state, optimizer_state = get_state_dict(model, optimizer.optimizer)
+    return {"model": model_state, "optimizer": optimizer_state, "loss_scaler": optimizer.loss_scaler.state_dict()}
+
+
+def scenario_dcp_resume(rank, directory):
+    batches = rank_batches(rank, steps=6)
+    model, amp_model = sharded_model()
+    optimizer = decorated(amp_model.parameters())
+    train(amp_model, optimizer, batches[:3])
+    dcp.save(checkpoint_state(model, optimizer), checkpoint_id=directory)
+    straight = train(amp_model, optimizer, batches[3:])
+
+    resumed_model, resumed_amp_model = sharded_model(seed=1)  # other weights: the checkpoint must replace them
+    resumed_optimizer = decorated(resumed_amp_model.parameters())
+    state = checkpoint_state(resumed_model, resumed_optimizer)
+    dcp.load(state, checkpoint_id=directory)
+    set_state_dict(
+        resumed_model, resumed_optimizer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+    )
+    resumed_optimizer.loss_scaler.load_state_dict(state["loss_scaler"])
+    resumed = train(resumed_amp_model, resumed_optimizer, batches[3:])
+    return {
+        "straight": straight,
+        "resumed": resumed,
+        "parameters_equal": torch.equal(flat(model.parameters()), flat(resumed_model.parameters())),
+        "optimizer_states_equal": all(
+            torch.equal(flat([a[k]]), flat([b[k]]))
+            for a, b in zip(optimizer.state.values(), resumed_optimizer.state.values()) for k in a
+        ),
+        "loss_scaling": (optimizer.get_loss_scaling(), resumed_optimizer.get_loss_scaling()),
+    }
+
+
+def scenario_ddp_compile(rank):
+    results = {}
+    for compile in (False, True):
+        model = ddp_model(lists=BF16, compile=compile)
+        optimizer = decorated(model.parameters(), BF16)
+        results[compile] = {"losses": train(model, optimizer, rank_batches(rank)), "parameters": flat(model.parameters())}
+    return results
+
+
+def scenario_fsdp_without_regions(rank):
+    torch.manual_seed(0)
+    model = BlockStack(n_blocks=2)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    try:
+        graphamp.rewrite(model, rank_batches(rank)[0], amp_lists=FP16)
+    except graphamp.CaptureError as error:
+        return str(error)
+    return "no error"
+
+
+SCENARIOS = [
+    scenario_fsdp_training,
+    scenario_ddp_training,
+    scenario_fsdp_inf_on_rank_1,
+    scenario_dcp_resume,
+    scenario_ddp_compile,
+    scenario_fsdp_without_regions,
+]
+
+
+def _run_scenarios(rank: int, store: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD_SIZE,
+        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
+    results = {}
+    for scenario in SCENARIOS:
+        arguments = (os.path.join(out, "checkpoint"),) if scenario is scenario_dcp_resume else ()
+        try:
+            results[scenario.__name__] = scenario(rank, *arguments)
+        except Exception:  # reported by the test that reads this scenario
+            results[scenario.__name__] = traceback.format_exc()
+        dist.barrier()
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp_ranks")
+    job = mp.spawn(_run_scenarios, args=(str(out / "store"), str(out)), nprocs=WORLD_SIZE, join=False)
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    try:
+        while not job.join(timeout=max(deadline - time.monotonic(), 0.1)):
+            if time.monotonic() > deadline:
+                pytest.fail(f"the {WORLD_SIZE}-process job did not finish within {JOB_TIMEOUT_S} s")
+    finally:
+        for process in job.processes:
+            if process.is_alive():
+                process.kill()
+    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD_SIZE)]
+
+
+def results_of(ranks, scenario):
+    found = [results[scenario.__name__] for results in ranks]
+    for rank, result in enumerate(found):
+        if isinstance(result, str) and scenario is not scenario_fsdp_without_regions:
+            pytest.fail(f"{scenario.__name__} failed on rank {rank}:\n{result}")
+    return found
+
+
+# -- the specification ------------------------------------------------------------------------------------------------
+
+
+def test_per_block_fsdp2_trains_as_ddp_does(ranks):
+    for fsdp, ddp in zip(results_of(ranks, scenario_fsdp_training), results_of(ranks, scenario_ddp_training)):
+        assert fsdp["losses"] == pytest.approx(ddp["losses"], rel=1e-5)
+        error = ((fsdp["parameters"] - ddp["parameters"]).norm() / ddp["parameters"].norm()).item()
+        assert error <= 1e-5
+        assert fsdp["loss_scaling"] == ddp["loss_scaling"]
+
+
+def test_per_block_fsdp2_parameters_stay_sharded_between_steps(ranks):
+    for result in results_of(ranks, scenario_fsdp_training):
+        assert result["all_sharded"]
+        assert result["local_fraction"] <= 0.6
+
+
+def test_inf_in_one_ranks_shard_makes_both_ranks_skip(ranks):
+    for result in results_of(ranks, scenario_fsdp_inf_on_rank_1):
+        assert result == {"moved": False, "skipped_steps": 1, "loss_scaling": 512.0}
+
+
+def test_a_dcp_checkpoint_resumes_bit_exact(ranks):
+    for result in results_of(ranks, scenario_dcp_resume):
+        assert result["resumed"] == result["straight"]
+        assert result["parameters_equal"] and result["optimizer_states_equal"]
+        assert result["loss_scaling"][0] == result["loss_scaling"][1]
+
+
+def test_ddp_with_compile_trains_as_ddp_eager(ranks):
+    for result in results_of(ranks, scenario_ddp_compile):
+        eager, compiled = result[False], result[True]
+        assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-2)
+        error = ((compiled["parameters"] - eager["parameters"]).norm() / eager["parameters"].norm()).item()
+        assert error <= 1e-3
+
+
+def test_fsdp2_without_regions_raises_with_the_fix(ranks):
+    for message in results_of(ranks, scenario_fsdp_without_regions):
+        assert "sharded with FSDP2" in message and "regions='blocks.*'" in message
