@@ -52,6 +52,16 @@ def state(opt) -> list[torch.Tensor]:
     return [t.clone() for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
 
 
+def backward_linked_and_eager(amp_lists) -> tuple[nn.Module, nn.Module]:
+    """A linked AmpModule and an FP32 copy of its model, after a plain backward() of the same batch."""
+    amp_model = rewritten(amp_lists)
+    graphamp.decorate(torch.optim.SGD(amp_model.parameters(), lr=0.1), amp_lists)
+    eager = copy.deepcopy(amp_model.original_module)
+    amp_model(*batch(1)).backward()
+    eager(*batch(1)).backward()
+    return amp_model, eager
+
+
 def test_plain_backward_matches_the_unscale_path_bit_for_bit(fp16):
     linked = rewritten(fp16)
     graphamp.decorate(torch.optim.SGD(linked.parameters(), lr=0.1), fp16)
@@ -68,11 +78,7 @@ def test_plain_backward_matches_the_unscale_path_bit_for_bit(fp16):
 
 
 def test_plain_backward_gives_eager_fp32_gradients_within_float16_tolerance(fp16):
-    amp_model = rewritten(fp16)
-    graphamp.decorate(torch.optim.SGD(amp_model.parameters(), lr=0.1), fp16)
-    eager = copy.deepcopy(amp_model.original_module)
-    amp_model(*batch(1)).backward()
-    eager(*batch(1)).backward()
+    amp_model, eager = backward_linked_and_eager(fp16)
     for a, b in zip(grads(amp_model), grads(eager)):
         assert relative_error(a, b) < 1e-2
 
@@ -95,11 +101,7 @@ def test_inf_step_is_skipped_bit_identically_and_the_scale_halves(fp16):
 
 
 def test_clip_grad_norm_after_backward_returns_the_true_norm(fp16):
-    amp_model = rewritten(fp16)
-    graphamp.decorate(torch.optim.SGD(amp_model.parameters(), lr=0.1), fp16)
-    eager = copy.deepcopy(amp_model.original_module)
-    amp_model(*batch(1)).backward()
-    eager(*batch(1)).backward()
+    amp_model, eager = backward_linked_and_eager(fp16)
     norm = torch.nn.utils.clip_grad_norm_(amp_model.parameters(), max_norm=1e9)
     true_norm = torch.nn.utils.clip_grad_norm_(eager.parameters(), max_norm=1e9)
     assert relative_error(norm, true_norm) < 1e-2
