@@ -7,7 +7,9 @@ kept in a small cache: torch.export's `ep.module()` cannot switch modes, so grap
 
 from __future__ import annotations
 
+import inspect
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Hashable
 
@@ -19,6 +21,8 @@ from graphamp.capture import Captured, capture
 from graphamp.cast_pass import RewriteReport, check_level, insert_casts
 from graphamp.compiled import CompiledGraph
 from graphamp.dtypes import HALF_DTYPES, check_dtype_runs_on, dtype_name
+from graphamp.errors import DoubleAmpError
+from graphamp.in_graph_scaling import register_parameters, run_scaled
 from graphamp.lists import AutoMixedPrecisionLists
 from graphamp.progress import Progress
 from graphamp.regions import Regions, check_sharding, region_paths
@@ -36,13 +40,22 @@ class AmpModule(nn.Module):
     The parameter, buffer and child tables are the original model's (shared, not copied), so the
     parameters are the same objects, `state_dict()` has the original keys and loads into the original,
     and `.to()`/`.train()`/`.eval()` act on both.
+
+    To frameworks it looks like the model: it is an instance of `Amp<Original>`, a subclass of both AmpModule
+    and the original's class (isinstance checks, class-based label detection), `forward`'s signature is the
+    original's, and `save_pretrained` is the original's (config.json included).
     """
+
+    def __new__(cls, model=None, *args, **kwargs):
+        if cls is AmpModule and isinstance(model, nn.Module):
+            cls = _class_looking_like(type(model))
+        return super().__new__(cls)
 
     def __init__(
         self, model, amp_lists, level="O1", compile=False, fp32_outputs=True, max_captures=DEFAULT_MAX_CAPTURES,
         progress=None, regions=None,
     ):
-        super().__init__()
+        nn.Module.__init__(self)  # not super(): the next class may be the original's, whose __init__ builds a model
         self.__dict__["_original"] = model  # not registered: its tables are ours already
         self.__dict__["_parameters"] = model._parameters
         self.__dict__["_buffers"] = model._buffers
@@ -57,6 +70,8 @@ class AmpModule(nn.Module):
         self._captures: OrderedDict[Hashable, Captured] = OrderedDict()
         self._last: Captured | None = None
         self._regions = Regions(model, region_paths(model, regions)) if regions is not None else None
+        self._linked_optimizer: weakref.ref | None = None
+        register_parameters(self)
 
     @property
     def original_module(self) -> nn.Module:
@@ -99,11 +114,16 @@ class AmpModule(nn.Module):
         return self
 
     def forward(self, *args, **kwargs):
+        check_no_autocast(device_of(self._original))
         captured, flat_inputs = self._captured_for(args, kwargs)
         if self._regions is not None:
             return self._regions.call(captured, args, kwargs)
         lifted = [source.get() for source in captured.lifted]
-        outputs = captured.run(*lifted, *flat_inputs)
+        scale = self._loss_scaling_for_this_call()
+        if scale is None:
+            outputs = captured.run(*lifted, *flat_inputs)
+        else:
+            outputs = run_scaled(captured.run, [*lifted, *flat_inputs], scale)
         return pytree.tree_unflatten([outputs[i] for i in captured.user_outputs], captured.out_spec)
 
     def _captured_for(self, args: tuple, kwargs: dict) -> tuple[Captured, list]:
@@ -151,6 +171,17 @@ class AmpModule(nn.Module):
         )
         return captured
 
+    def _link_optimizer(self, optimizer) -> None:
+        """Scale gradients in the graph by this decorated optimizer's loss scaling (the latest link wins)."""
+        self._linked_optimizer = weakref.ref(optimizer)
+
+    def _loss_scaling_for_this_call(self) -> torch.Tensor | None:
+        """The linked optimizer's scale tensor when this call's gradients must be scaled in the graph, else None."""
+        optimizer = self._linked_optimizer() if self._linked_optimizer is not None else None
+        if optimizer is None or not torch.is_grad_enabled():
+            return None
+        return optimizer._scale_in_graph(device_of(self._original))
+
     def __getattr__(self, name):
         try:
             return super().__getattr__(name)
@@ -162,6 +193,48 @@ class AmpModule(nn.Module):
 
     def extra_repr(self) -> str:
         return f"dtype={self.amp_lists.dtype_name}, level={self.level}, compile={self.compile}"
+
+
+_classes_looking_like: dict[type, type] = {}
+
+
+def _class_looking_like(original_class: type) -> type:
+    """`Amp<Original>`: AmpModule first, then the original's class; its forward shows the original's signature."""
+    cls = _classes_looking_like.get(original_class)
+    if cls is not None:
+        return cls
+
+    def forward(self, *args, **kwargs):
+        return AmpModule.forward(self, *args, **kwargs)
+
+    forward.__signature__ = inspect.signature(original_class.forward)
+    forward.__doc__ = original_class.forward.__doc__
+    namespace = {"forward": forward, "__module__": __name__}
+    if callable(getattr(original_class, "save_pretrained", None)):
+        namespace["save_pretrained"] = _save_pretrained
+    name = f"Amp{original_class.__name__}"
+    try:
+        cls = type(name, (AmpModule, original_class), namespace)
+    except TypeError:  # a metaclass or layout the two classes cannot share: keep the signature, lose isinstance
+        cls = type(name, (AmpModule,), namespace)
+    _classes_looking_like[original_class] = cls
+    return cls
+
+
+def _save_pretrained(self, *args, **kwargs):
+    """The original model's save_pretrained (same weights, its config.json): from_pretrained loads it back."""
+    return self._original.save_pretrained(*args, **kwargs)
+
+
+def check_no_autocast(device: torch.device | None) -> None:
+    """Refuse a call inside an active torch.autocast region: autocast would recast the rewritten graph's ops."""
+    if device is not None and torch.is_autocast_enabled(device.type):
+        raise DoubleAmpError(
+            f"an AmpModule was called inside an active torch.autocast region on {device.type}: two AMP systems are "
+            "on, and autocast would override graphamp's lists. Turn one off: drop the torch.autocast context (with "
+            "accelerate, Accelerator(mixed_precision='no'); with the HF Trainer, bf16=False and fp16=False), or "
+            "train the original model under autocast without graphamp."
+        )
 
 
 def rewrite(

@@ -21,3 +21,7 @@ class LossScalingError(GraphampError, RuntimeError):
 
 class ExportError(GraphampError, RuntimeError):
     """export() could not write one of its files (Graphviz missing or failing); the message says the fix."""
+
+
+class DoubleAmpError(GraphampError, RuntimeError):
+    """An AmpModule was called inside torch.autocast: two mixed-precision systems at once."""

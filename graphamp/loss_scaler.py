@@ -168,6 +168,16 @@ class LossScaler:
         """Whether the gradients given to the last ``update()`` held inf or NaN (one host sync)."""
         return self._found_inf is not None and bool(self._found_inf.item())
 
+    def is_fixed_at_one(self) -> bool:
+        """Whether the scale is 1.0 and static (bfloat16's default): gradients need no scaling at all."""
+        return not self.use_dynamic_loss_scaling and self._initial[0] == 1.0
+
+    def state_on(self, device: torch.device) -> torch.Tensor:
+        """The scale tensor, created on ``device`` if no loss was scaled yet (in-graph scaling has no loss)."""
+        if self._scale is None:
+            self._lazy_init(device)
+        return self._scale
+
     def _lazy_init(self, device: torch.device) -> None:
         scale, good, bad = self._initial
         self._scale = torch.full((), scale, dtype=torch.float32, device=device)

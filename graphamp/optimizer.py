@@ -9,6 +9,7 @@ import torch
 
 from graphamp.errors import LossScalingError
 from graphamp.dtypes import HALF_DTYPES, dtype_name, resolve_dtype
+from graphamp.in_graph_scaling import link
 from graphamp.loss_scaler import LossScaler
 
 __all__ = ["OptimizerWithMixedPrecision", "decorate"]
@@ -25,6 +26,7 @@ def decorate(
     use_dynamic_loss_scaling: bool | None = None,
     max_loss_scaling: float | None = None,
     process_group: torch.distributed.ProcessGroup | None = None,
+    model: torch.nn.Module | None = None,
 ) -> OptimizerWithMixedPrecision | list[OptimizerWithMixedPrecision]:
     """Wrap ``optimizer`` in an :class:`OptimizerWithMixedPrecision` that scales the loss (defaults: paddle.amp's).
 
@@ -43,6 +45,11 @@ def decorate(
     unscales, checks and steps (or skips) its own parameters; the scale is updated once per iteration, by the step()
     of the last wrapper to step, from the inf/NaN found by any of them (GradScaler's ``update()`` after all
     ``step()`` calls). So every wrapper of the list steps once per iteration; one ``backward`` may feed them all.
+
+    Any loop: the wrappers are linked to the AmpModules that own their parameters (or to ``model``, an AmpModule
+    or a module holding one), which then scale the gradients inside the graph; a plain ``loss.backward()`` leaves
+    true gradients in ``.grad`` and ``step()`` skips on inf/NaN. See docs/training_loops.md. Rewrite the model
+    before decorating its optimizer.
     """
     optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
     if not optimizers:
@@ -76,13 +83,12 @@ def decorate(
         process_group=process_group,
     )
     wrappers = [OptimizerWithMixedPrecision(opt, loss_scaler) for opt in optimizers]
-    if not isinstance(optimizer, (list, tuple)):
-        return wrappers[0]
     iteration = wrappers[0]._iteration
     for wrapper in wrappers[1:]:
         wrapper._iteration = iteration
         iteration.members.append(wrapper)
-    return wrappers
+    link(wrappers, model)
+    return wrappers if isinstance(optimizer, (list, tuple)) else wrappers[0]
 
 
 class _Stage(enum.Enum):
@@ -97,6 +103,7 @@ class _Iteration:
     def __init__(self, member: OptimizerWithMixedPrecision) -> None:
         self.members = [member]
         self.loss_scaled = False
+        self.scaled_in_graph = False  # a linked AmpModule scaled gradients in its graph since the last step
 
     def finish_if_all_stepped(self, loss_scaler: LossScaler) -> None:
         if any(m._stage is not _Stage.STEPPED for m in self.members):
@@ -111,6 +118,7 @@ class _Iteration:
         for member in self.members:
             member._stage = _Stage.READY
         self.loss_scaled = False
+        self.scaled_in_graph = False
 
     def waiting_for(self) -> str:
         waiting = [
@@ -269,6 +277,9 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
                 "backward() after this optimizer's step() while the loss scaling update still waits for "
                 f"{self._iteration.waiting_for()}: step every optimizer sharing the loss scaler once per iteration."
             )
+        if self._iteration.scaled_in_graph:
+            loss.backward(**kwargs)  # the linked AmpModule's graph scales the gradients already
+            return
         self.loss_scaler.scale(loss).backward(**kwargs)
         self._iteration.loss_scaled = True
 
@@ -280,21 +291,32 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
                 "call it once per iteration, after the last backward()."
             )
         self._check_ready("unscale_")
-        self._found_inf = self.loss_scaler.unscale_(self._grads())
+        if self._iteration.loss_scaled:
+            self._found_inf = self.loss_scaler.unscale_(self._grads())
+        else:
+            self._found_inf = self._check_true_gradients()
         self._stage = _Stage.UNSCALED
 
-    def step(self, closure: None = None) -> Any:
-        """Unscale (unless ``unscale_()`` ran), skip the update if any gradient is inf/NaN, then update the scale."""
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Unscale (unless ``unscale_()`` ran), skip the update if any gradient is inf/NaN, then update the scale.
+
+        Args:
+            closure: runs forward and backward (through a linked AmpModule, or ``opt.backward(loss)``) and returns
+                the loss, as Lightning's automatic optimization does; ``step`` then returns that loss.
+        """
+        loss = None
         if closure is not None:
-            raise LossScalingError(
-                "step(closure) is not supported with loss scaling: call backward(loss), then step()."
-            )
+            with torch.enable_grad():
+                loss = closure()
         self._check_ready("step")
         optimizer = self._optimizer
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             # GradScaler's contract with fused optimizers: they unscale by `grad_scale` and skip on `found_inf`
             # inside their kernel; `grad_scale` is None when the gradients are already unscaled.
-            if self._stage is _Stage.READY:
+            if self._stage is _Stage.READY and not self._iteration.loss_scaled:
+                self._found_inf = self._check_true_gradients()
+                optimizer.grad_scale = None
+            elif self._stage is _Stage.READY:
                 self._found_inf = self.loss_scaler.check_finite(self._grads())
                 optimizer.grad_scale = self.loss_scaler.loss_scaling
             else:
@@ -313,7 +335,7 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
         self._skipped_steps.add_(self._found_inf.clamp(max=1.0))
         self._stage = _Stage.STEPPED
         self._iteration.finish_if_all_stepped(self.loss_scaler)
-        return result
+        return loss if closure is not None else result
 
     def minimize(self, loss: torch.Tensor) -> Any:
         """Paddle's one call: ``backward(loss)``, then ``step()``. Zeroing the gradients is ``zero_grad()``'s job."""
@@ -326,10 +348,13 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
                 f"{what}() after this optimizer's step() while the loss scaling update still waits for "
                 f"{self._iteration.waiting_for()}: step every optimizer sharing the loss scaler once per iteration."
             )
-        if not self._iteration.loss_scaled:
+        if not (self._iteration.loss_scaled or self._iteration.scaled_in_graph or self.loss_scaler.is_fixed_at_one()):
             raise LossScalingError(
-                f"{what}() without a scaled backward since the last step: call opt.backward(loss) or "
-                "opt.minimize(loss) instead of loss.backward(), so the gradients carry the loss scaling."
+                f"{what}() without a scaled backward since the last step, and the loss scaling is "
+                f"{self.loss_scaler.get_loss_scaling():g}: the loss came from no AmpModule linked to this optimizer. "
+                "Rewrite the model with graphamp.rewrite() before decorate() (or pass decorate(..., "
+                "model=amp_model)) and call the AmpModule, or call opt.backward(loss) or opt.minimize(loss) "
+                "instead of loss.backward(), so the gradients carry the loss scaling."
             )
 
     def _grads(self) -> list[torch.Tensor]:
@@ -355,6 +380,21 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
                         "are no FP32 master weights. Keep the model in float32 and use graphamp.rewrite(model, ...) "
                         f"to run it in {dtype}."
                     )
+
+    # -- loss scaling inside a linked AmpModule's graph ------------------------------------------------------------
+
+    def _scale_in_graph(self, device: torch.device) -> torch.Tensor | None:
+        """The scale tensor a linked AmpModule's graph multiplies gradients by this call, or None (fixed at 1.0)."""
+        if self.loss_scaler.is_fixed_at_one():
+            return None
+        self._iteration.scaled_in_graph = True
+        return self.loss_scaler.state_on(device)
+
+    def _check_true_gradients(self) -> torch.Tensor:
+        """``found_inf`` of gradients that hold no scaling (in-graph scaling, or a scale fixed at 1.0)."""
+        grads = self._grads()
+        self.loss_scaler.state_on(grads[0].device if grads else torch.device("cpu"))
+        return self.loss_scaler.check_finite(grads)
 
     # -- for logging ------------------------------------------------------------------------------------------------
 

@@ -72,6 +72,7 @@ def test_defaults_are_paddle_amp_defaults():
         "use_dynamic_loss_scaling": None,
         "max_loss_scaling": None,
         "process_group": None,  # the default group once torch.distributed runs more than one rank
+        "model": None,  # the AmpModules are found through the optimizer's parameters
     }
 
 
@@ -330,12 +331,19 @@ def test_half_precision_gradients_of_unnamed_parameters_give_their_position():
         opt.unscale_()
 
 
-def test_step_with_closure_raises():
+def test_step_with_closure_runs_it_and_returns_its_loss():
     model = small_model()
     opt = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1))
-    opt.backward(loss_at(model, 0))
-    with pytest.raises(LossScalingError, match="closure"):
-        opt.step(lambda: loss_at(model, 0))
+    before = model[0].weight.detach().clone()
+
+    def closure():
+        loss = loss_at(model, 0)
+        opt.backward(loss)
+        return loss
+
+    loss = opt.step(closure)
+    assert isinstance(loss, torch.Tensor) and loss.grad_fn is not None
+    assert not torch.equal(model[0].weight, before)
 
 
 # -- a torch optimizer in every other respect --------------------------------------------------------------------

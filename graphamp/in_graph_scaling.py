@@ -1,0 +1,115 @@
+"""Loss scaling inside the graph: any loop's plain `loss.backward()` leaves true FP32 gradients in `.grad`.
+
+While an AmpModule is linked to a decorated optimizer whose scale is not fixed at 1.0, each of its calls with
+autograd on multiplies the gradient entering the rewritten graph (at its floating outputs) by the scale, and the
+gradient leaving it into each FP32 master weight by 1/scale, both read from the LossScaler's device tensor at
+forward time (no host sync). Inside, the float16 backward runs on scaled gradients, as with a scaled loss; outside,
+AccumulateGrad adds true gradients, so gradient accumulation and `clip_grad_norm_` right after `backward()` are
+right. The optimizer's `step()` checks those gradients for inf/NaN and updates the scale.
+
+The link: `decorate()` links its optimizer to every AmpModule that owns one of the optimizer's parameters (found
+through the parameters: rewrite the model first), or to the AmpModule given as `decorate(..., model=amp_model)`.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+from graphamp.errors import LossScalingError
+
+__all__ = ["link", "register_parameters", "run_scaled", "scale_gradients"]
+
+# parameter -> weakref to the AmpModule it belongs to (weak both ways: an AmpModule holds its parameters).
+_amp_module_of_parameter = WeakIdKeyDictionary()
+
+
+class _ScaleGradients(torch.autograd.Function):
+    """Identity forward; backward multiplies every incoming gradient by `factor` (one foreach kernel)."""
+
+    @staticmethod
+    def forward(ctx, factor: torch.Tensor, *tensors: torch.Tensor):
+        ctx.set_materialize_grads(False)  # an unused parameter's gradient stays None, as in eager
+        ctx.save_for_backward(factor)
+        # detach(): new tensors on the same storage, not views, so that a caller may write into an output in place
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        (factor,) = ctx.saved_tensors
+        present = [i for i, g in enumerate(grads) if g is not None]
+        scaled = torch._foreach_mul([grads[i] for i in present], factor) if present else []
+        result = [None] * len(grads)
+        for i, g in zip(present, scaled):
+            result[i] = g
+        return (None, *result)
+
+
+def register_parameters(amp_module: torch.nn.Module) -> None:
+    """Remember which AmpModule owns each of its parameters, so that decorate() finds it."""
+    ref = weakref.ref(amp_module)
+    for parameter in amp_module.parameters():
+        _amp_module_of_parameter[parameter] = ref
+
+
+def link(optimizers: list, model: torch.nn.Module | None) -> None:
+    """Link decorated optimizers (sharing one loss scaler) to the AmpModules that feed their parameters.
+
+    Args:
+        optimizers: the OptimizerWithMixedPrecision wrappers made by one decorate() call.
+        model: None to find the AmpModules through the parameters; else an AmpModule, or a module holding some
+            (a LightningModule, say), to link to.
+    """
+    parameters = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
+    if model is None:
+        refs = (_amp_module_of_parameter.get(p) for p in parameters)
+        amp_modules = {id(m): m for m in (ref() for ref in refs if ref is not None) if m is not None}.values()
+    else:
+        amp_modules = [m for m in model.modules() if hasattr(m, "_link_optimizer")]
+        if not amp_modules:
+            raise LossScalingError(
+                f"decorate(model=...) got a {type(model).__name__} that holds no AmpModule: pass the module "
+                "graphamp.rewrite() returned."
+            )
+        owned = {id(p) for m in amp_modules for p in m.parameters()}
+        if not any(id(p) in owned for p in parameters):
+            raise LossScalingError(
+                "decorate(model=...): the optimizer holds none of that AmpModule's parameters; build the optimizer "
+                "from amp_model.parameters() (they are the original model's)."
+            )
+    for amp_module in amp_modules:
+        amp_module._link_optimizer(optimizers[0])
+
+
+def scale_gradients(factor: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`tensors` as they are, except that the gradients flowing back through those requiring grad are times `factor`.
+
+    The tensors requiring grad are replaced by new ones (same storage) whose gradients pass through one
+    `_ScaleGradients` node: only what reaches them from outside is scaled, not what reaches the originals.
+    """
+    positions = [i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not positions:
+        return tensors
+    scaled = _ScaleGradients.apply(factor, *(tensors[i] for i in positions))
+    tensors = list(tensors)
+    for i, t in zip(positions, scaled):
+        tensors[i] = t
+    return tensors
+
+
+def run_scaled(run, inputs: list, scale: torch.Tensor):
+    """`run(*inputs)` with the gradient entering its floating outputs times `scale` and that leaving into each
+    input requiring grad (the master weights, an `inputs_embeds`) divided by it: transparent from outside."""
+    up, down = _scaling_factors(scale)
+    # Outputs computed from other outputs (HF's loss from the logits): only the gradient from outside is scaled.
+    return scale_gradients(up, list(run(*scale_gradients(down, inputs))))
+
+
+def _scaling_factors(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, 1/scale) as of now: the scale's update at this iteration's step() must not reach its backward."""
+    # The reciprocal in float64 (MPS has none), as GradScaler's unscale_: float32 division is inexact under some
+    # compile options.
+    inv_scale = scale.reciprocal() if scale.device.type == "mps" else scale.double().reciprocal().float()
+    return scale.clone(), inv_scale
