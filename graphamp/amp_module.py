@@ -1,12 +1,14 @@
 """The module users train: the original's FP32 master weights, driving rewritten graphs.
 
 `rewrite(model, ...)` captures the model, runs the cast pass and returns an `AmpModule`. Each train/eval
-mode and input signature (shapes, dtypes, devices, keyword names, non-tensor values) gets its own capture,
-kept in a small cache: torch.export's `ep.module()` cannot switch modes, so graphamp captures per mode.
+mode and input signature (dtypes, devices, keyword names, non-tensor values) gets its own capture, kept in a
+small cache: torch.export's `ep.module()` cannot switch modes, so graphamp captures per mode. Sizes follow
+the "automatic dynamic" rule of graphamp.shapes: a signature's second size gets one capture with dynamic dims.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections import OrderedDict
 from collections.abc import Hashable
@@ -19,8 +21,10 @@ from graphamp.capture import Captured, capture
 from graphamp.cast_pass import RewriteReport, check_level, insert_casts
 from graphamp.compiled import CompiledGraph
 from graphamp.dtypes import HALF_DTYPES, check_dtype_runs_on, dtype_name
+from graphamp.generation import generate
 from graphamp.lists import AutoMixedPrecisionLists
 from graphamp.progress import Progress
+from graphamp.shapes import InputGuard, InputSignature, is_dynamic, signature_of, specialized_dims, without_defaults
 
 __all__ = ["AmpModule", "rewrite"]
 
@@ -39,7 +43,7 @@ class AmpModule(nn.Module):
 
     def __init__(
         self, model, amp_lists, level="O1", compile=False, fp32_outputs=True, max_captures=DEFAULT_MAX_CAPTURES,
-        progress=None,
+        progress=None, dynamic=None,
     ):
         super().__init__()
         self.__dict__["_original"] = model  # not registered: its tables are ours already
@@ -52,8 +56,11 @@ class AmpModule(nn.Module):
         self.compile = compile
         self.fp32_outputs = fp32_outputs
         self.max_captures = max_captures
+        self.dynamic = dynamic
         self.progress = Progress(progress)
+        # Keys: an InputSignature for a static capture, (signature without sizes, InputGuard) for a dynamic one.
         self._captures: OrderedDict[Hashable, Captured] = OrderedDict()
+        self._sizes_captured: dict[InputSignature, list[tuple]] = {}  # per signature without sizes
         self._last: Captured | None = None
 
     @property
@@ -97,38 +104,82 @@ class AmpModule(nn.Module):
         return self
 
     def forward(self, *args, **kwargs):
-        captured, flat_inputs = self._captured_for(args, kwargs)
+        return self._run(args, kwargs)
+
+    def _run(self, args: tuple, kwargs: dict, dynamic: bool | None = None):
+        captured, flat_inputs = self._captured_for(args, kwargs, dynamic)
         lifted = [source.get() for source in captured.lifted]
         outputs = captured.run(*lifted, *flat_inputs)
         return pytree.tree_unflatten([outputs[i] for i in captured.user_outputs], captured.out_spec)
 
-    def _captured_for(self, args: tuple, kwargs: dict) -> tuple[Captured, list]:
-        kwargs = dict(sorted(kwargs.items()))  # one capture whatever order keywords are passed in
-        flat_inputs, spec = pytree.tree_flatten((args, kwargs))
-        key = (self.training, spec, tuple(_leaf_signature(x) for x in flat_inputs), device_of(self._original))
-        captured = self._captures.get(key)
-        if captured is None:
-            captured = self._capture(args, kwargs)
-            for older in self._captures.values():
-                older.example_inputs = None  # only the newest capture keeps its batch, for export's reruns
-            self._captures[key] = captured
-            if len(self._captures) > self.max_captures:
-                self._captures.popitem(last=False)
-                warnings.warn(
-                    f"graphamp has seen more than max_captures={self.max_captures} input signatures (shapes, "
-                    f"dtypes, keyword names) and dropped the oldest capture; each new one costs a capture. "
-                    f"Pad inputs to a few fixed shapes, or pass a larger max_captures to rewrite().",
-                    stacklevel=3,
-                )
+    def _captured_for(self, args: tuple, kwargs: dict, dynamic: bool | None = None) -> tuple[Captured, list]:
+        """The capture serving this call (made if none does) and the call's flat inputs.
+
+        dynamic: True captures with dynamic dims at once, as generation does; None follows `self.dynamic`.
+        """
+        # One capture whatever order keywords come in, and whether or not a default is passed explicitly.
+        kwargs = dict(sorted(without_defaults(self._original, kwargs).items()))
+        signature, flat_inputs = signature_of(self.training, device_of(self._original), args, kwargs)
+        key = self._cached_key(signature, flat_inputs)
+        if key is None:
+            key = self._capture_signature(signature, args, kwargs, self.dynamic if dynamic is None else dynamic)
         else:
             self._captures.move_to_end(key)
-        self._last = captured
-        return captured, flat_inputs
+        self._last = self._captures[key]
+        return self._last, flat_inputs
 
-    def _capture(self, args: tuple, kwargs: dict) -> Captured:
+    def _cached_key(self, signature: InputSignature, flat_inputs: list) -> Hashable | None:
+        if signature in self._captures:
+            return signature
+        shape_free = signature.without_sizes()
+        return next(
+            (key for key in reversed(self._captures) if isinstance(key, tuple) and key[0] == shape_free and key[1].fits(flat_inputs)),
+            None,
+        )
+
+    def _capture_signature(self, signature: InputSignature, args: tuple, kwargs: dict, dynamic: bool | None) -> Hashable:
+        """Capture for a new signature (static, or dynamic by the automatic rule) and cache it; return its key."""
+        shape_free = signature.without_sizes()
+        sizes_captured = self._sizes_captured.setdefault(shape_free, [])
+        sizes_captured.append(signature.sizes)
+        make_dynamic = bool(dynamic) or (dynamic is None and len(sizes_captured) > 1)
+        captured = self._capture(args, kwargs, make_dynamic)
+        key = signature
+        if make_dynamic and is_dynamic(captured.graph_module):
+            key = (shape_free, InputGuard(captured.graph_module, len(captured.lifted)))
+            specialized = specialized_dims(captured.graph_module, len(captured.lifted), signature, sizes_captured)
+            if specialized:
+                warnings.warn(
+                    "graphamp captured with dynamic shapes, but some dims that changed between calls stay static, "
+                    "so each new size of them costs a capture: " + "; ".join(specialized) + ".",
+                    stacklevel=4,
+                )
+        previous = next(reversed(self._captures), None)
+        for older in self._captures.values():
+            older.example_inputs = None  # only the newest capture keeps its batch, for export's reruns
+        self._captures[key] = captured
+        if len(self._captures) > self.max_captures:
+            self._captures.popitem(last=False)
+            self._warn_overflow(key, previous)
+        return key
+
+    def _warn_overflow(self, key: Hashable, previous: Hashable) -> None:
+        def signature(k):
+            return k[0] if isinstance(k, tuple) else k
+
+        differences = signature(key).differences(signature(previous)) if previous is not None else []
+        warnings.warn(
+            f"graphamp has seen more than max_captures={self.max_captures} input signatures and dropped the "
+            f"oldest capture; each new one costs a capture. This call differs from the previous one in: "
+            f"{', '.join(differences)}. Keep those fixed between calls (pass optional keywords always or never), "
+            f"or pass a larger max_captures to rewrite().",
+            stacklevel=5,
+        )
+
+    def _capture(self, args: tuple, kwargs: dict, dynamic: bool = False) -> Captured:
         timings = {}
         with self.progress.phase(CAPTURE_PHASE, timings):
-            captured = capture(self._original, args, kwargs)
+            captured = capture(self._original, args, kwargs, dynamic)
         with self.progress.phase(CAST_PASS_PHASE, timings):
             captured.report = insert_casts(
                 captured.graph_module, self.amp_lists, self.level, self.fp32_outputs,
@@ -136,7 +187,9 @@ class AmpModule(nn.Module):
             )
         captured.timings = timings
         captured.run = (
-            CompiledGraph(captured.graph_module, self.progress, timings) if self.compile else captured.graph_module
+            CompiledGraph(captured.graph_module, self.progress, timings, is_dynamic(captured.graph_module))
+            if self.compile
+            else captured.graph_module
         )
         return captured
 
@@ -147,10 +200,12 @@ class AmpModule(nn.Module):
             original = self.__dict__.get("_original")
             if original is None:
                 raise
+            if name == "generate" and hasattr(original, "generate"):
+                return functools.partial(generate, self)  # through rewritten graphs, not the FP32 original
             return getattr(original, name)  # model.config and friends, as on the original
 
     def extra_repr(self) -> str:
-        return f"dtype={self.amp_lists.dtype_name}, level={self.level}, compile={self.compile}"
+        return f"dtype={self.amp_lists.dtype_name}, level={self.level}, compile={self.compile}, dynamic={self.dynamic}"
 
 
 def rewrite(
@@ -163,6 +218,7 @@ def rewrite(
     fp32_outputs: bool = True,
     max_captures: int = DEFAULT_MAX_CAPTURES,
     progress: bool | None = None,
+    dynamic: bool | None = None,
 ) -> AmpModule:
     """Capture `model` with torch.export and return an AmpModule that runs it in mixed precision.
 
@@ -174,11 +230,14 @@ def rewrite(
     fp32_outputs: cast floating outputs back to float32 (the loss comes back FP32).
     progress: a line on stderr per phase (capture, cast pass, inductor compiles) — None: phases still running
     after 2 s; True: every phase; False: none. Each capture's `timings` has the seconds either way.
+    dynamic: None — a signature's first capture is static and a call differing only in sizes is captured
+    once with dynamic dims, which serves every later size; True — dynamic dims from the first capture;
+    False — one static capture per input shape.
     """
     example_args, example_kwargs, amp_lists = check_entry_arguments(
         "rewrite", model, example_args, example_kwargs, amp_lists, level, compile
     )
-    amp_model = AmpModule(model, amp_lists, level, compile, fp32_outputs, max_captures, progress)
+    amp_model = AmpModule(model, amp_lists, level, compile, fp32_outputs, max_captures, progress, dynamic)
     amp_model._captured_for(example_args, example_kwargs)
     return amp_model
 
@@ -201,12 +260,6 @@ def check_entry_arguments(
     if not isinstance(example_args, tuple):
         example_args = (example_args,)
     return example_args, dict(example_kwargs or {}), amp_lists
-
-
-def _leaf_signature(value) -> Hashable:
-    if isinstance(value, torch.Tensor):
-        return (tuple(value.shape), value.dtype, value.device)
-    return (type(value), value) if isinstance(value, Hashable) else (type(value), id(value))
 
 
 def device_of(model: nn.Module):
