@@ -142,7 +142,8 @@ class AmpModule(nn.Module):
         shape_free = signature.without_sizes()
         sizes_captured = self._sizes_captured.setdefault(shape_free, [])
         sizes_captured.append(signature.sizes)
-        make_dynamic = bool(dynamic) or (dynamic is None and len(sizes_captured) > 1)
+        # Once any signature's sizes have varied, a new keyword set is captured dynamic at once: one capture each.
+        make_dynamic = bool(dynamic) or (dynamic is None and any(len(sizes) > 1 for sizes in self._sizes_captured.values()))
         captured = self._capture(args, kwargs, make_dynamic)
         key = signature
         if make_dynamic and is_dynamic(captured.graph_module):
