@@ -23,8 +23,8 @@ __all__ = [
     "without_defaults",
 ]
 
-_MARKERS = "_dynamo_weak_dynamic_indices"  # where torch._dynamo.maybe_mark_dynamic records a tensor's dims
-_UNSET = object()
+# Where torch._dynamo.maybe_mark_dynamic records a tensor's dims (left on a tensor, they fail compiled guards).
+_MARKERS = ("_dynamo_weak_dynamic_indices", "_has_dynamo_dim_marking")
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ def automatic_dynamic_dims(tree):
     The markers are taken off the caller's tensors afterwards.
     """
     tensors = [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.dim() > 0]
-    saved = [t.__dict__.get(_MARKERS, _UNSET) for t in tensors]
+    saved = [{name: t.__dict__[name] for name in _MARKERS if name in t.__dict__} for t in tensors]
     for tensor in tensors:
         for dim in range(tensor.dim()):
             torch._dynamo.maybe_mark_dynamic(tensor, dim)
@@ -108,10 +108,9 @@ def automatic_dynamic_dims(tree):
         yield
     finally:
         for tensor, markers in zip(tensors, saved):
-            if markers is _UNSET:
-                tensor.__dict__.pop(_MARKERS, None)
-            else:
-                setattr(tensor, _MARKERS, markers)
+            for name in _MARKERS:
+                tensor.__dict__.pop(name, None)
+            tensor.__dict__.update(markers)
 
 
 class InputGuard:
