@@ -1,12 +1,14 @@
 """The module users train: the original's FP32 master weights, driving rewritten graphs.
 
 `rewrite(model, ...)` captures the model, runs the cast pass and returns an `AmpModule`. Each train/eval
-mode and input signature (shapes, dtypes, devices, keyword names, non-tensor values) gets its own capture,
-kept in a small cache: torch.export's `ep.module()` cannot switch modes, so graphamp captures per mode.
+mode and input signature (dtypes, devices, keyword names, non-tensor values) gets its own capture, kept in a
+small cache: torch.export's `ep.module()` cannot switch modes, so graphamp captures per mode. Sizes follow
+the "automatic dynamic" rule of graphamp.shapes: a signature's second size gets one capture with dynamic dims.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 import weakref
@@ -23,9 +25,11 @@ from graphamp.compiled import CompiledGraph
 from graphamp.dtypes import HALF_DTYPES, check_dtype_runs_on, dtype_name
 from graphamp.errors import DoubleAmpError
 from graphamp.in_graph_scaling import register_parameters, run_scaled
+from graphamp.generation import generate
 from graphamp.lists import AutoMixedPrecisionLists
 from graphamp.progress import Progress
 from graphamp.regions import Regions, check_sharding, region_paths
+from graphamp.shapes import InputGuard, InputSignature, is_dynamic, signature_of, specialized_dims, without_defaults
 
 __all__ = ["AmpModule", "rewrite"]
 
@@ -53,7 +57,7 @@ class AmpModule(nn.Module):
 
     def __init__(
         self, model, amp_lists, level="O1", compile=False, fp32_outputs=True, max_captures=DEFAULT_MAX_CAPTURES,
-        progress=None, regions=None,
+        progress=None, regions=None, dynamic=None,
     ):
         nn.Module.__init__(self)  # not super(): the next class may be the original's, whose __init__ builds a model
         self.__dict__["_original"] = model  # not registered: its tables are ours already
@@ -66,8 +70,16 @@ class AmpModule(nn.Module):
         self.compile = compile
         self.fp32_outputs = fp32_outputs
         self.max_captures = max_captures
+        if regions is not None and dynamic:
+            raise ValueError(
+                "regions= runs each block from a static capture: pass dynamic=None or False with regions "
+                "(each new input shape is then captured once)."
+            )
+        self.dynamic = False if regions is not None else dynamic  # a region's calls are keyed by their shapes
         self.progress = Progress(progress)
+        # Keys: an InputSignature for a static capture, (signature without sizes, InputGuard) for a dynamic one.
         self._captures: OrderedDict[Hashable, Captured] = OrderedDict()
+        self._sizes_captured: dict[InputSignature, list[tuple]] = {}  # per signature without sizes
         self._last: Captured | None = None
         self._regions = Regions(model, region_paths(model, regions)) if regions is not None else None
         self._linked_optimizer: weakref.ref | None = None
@@ -114,8 +126,11 @@ class AmpModule(nn.Module):
         return self
 
     def forward(self, *args, **kwargs):
+        return self._run(args, kwargs)
+
+    def _run(self, args: tuple, kwargs: dict, dynamic: bool | None = None):
         check_no_autocast(device_of(self._original))
-        captured, flat_inputs = self._captured_for(args, kwargs)
+        captured, flat_inputs = self._captured_for(args, kwargs, dynamic)
         if self._regions is not None:
             return self._regions.call(captured, args, kwargs)
         lifted = [source.get() for source in captured.lifted]
@@ -126,37 +141,79 @@ class AmpModule(nn.Module):
             outputs = run_scaled(captured.run, [*lifted, *flat_inputs], scale)
         return pytree.tree_unflatten([outputs[i] for i in captured.user_outputs], captured.out_spec)
 
-    def _captured_for(self, args: tuple, kwargs: dict) -> tuple[Captured, list]:
-        kwargs = dict(sorted(kwargs.items()))  # one capture whatever order keywords are passed in
-        flat_inputs, spec = pytree.tree_flatten((args, kwargs))
-        key = (self.training, spec, tuple(_leaf_signature(x) for x in flat_inputs), device_of(self._original))
-        captured = self._captures.get(key)
-        if captured is None:
-            captured = self._capture(args, kwargs)
-            for older in self._captures.values():
-                older.example_inputs = None  # only the newest capture keeps its batch, for export's reruns
-            self._captures[key] = captured
-            if len(self._captures) > self.max_captures:
-                self._captures.popitem(last=False)
-                warnings.warn(
-                    f"graphamp has seen more than max_captures={self.max_captures} input signatures (shapes, "
-                    f"dtypes, keyword names) and dropped the oldest capture; each new one costs a capture. "
-                    f"Pad inputs to a few fixed shapes, or pass a larger max_captures to rewrite().",
-                    stacklevel=3,
-                )
+    def _captured_for(self, args: tuple, kwargs: dict, dynamic: bool | None = None) -> tuple[Captured, list]:
+        """The capture serving this call (made if none does) and the call's flat inputs.
+
+        dynamic: True captures with dynamic dims at once, as generation does; None follows `self.dynamic`.
+        """
+        # One capture whatever order keywords come in, and whether or not a default is passed explicitly.
+        kwargs = dict(sorted(without_defaults(self._original, kwargs).items()))
+        signature, flat_inputs = signature_of(self.training, device_of(self._original), args, kwargs)
+        key = self._cached_key(signature, flat_inputs)
+        if key is None:
+            key = self._capture_signature(signature, args, kwargs, self.dynamic if dynamic is None else dynamic)
         else:
             self._captures.move_to_end(key)
-        self._last = captured
-        return captured, flat_inputs
+        self._last = self._captures[key]
+        return self._last, flat_inputs
 
-    def _capture(self, args: tuple, kwargs: dict) -> Captured:
+    def _cached_key(self, signature: InputSignature, flat_inputs: list) -> Hashable | None:
+        if signature in self._captures:
+            return signature
+        shape_free = signature.without_sizes()
+        return next(
+            (key for key in reversed(self._captures) if isinstance(key, tuple) and key[0] == shape_free and key[1].fits(flat_inputs)),
+            None,
+        )
+
+    def _capture_signature(self, signature: InputSignature, args: tuple, kwargs: dict, dynamic: bool | None) -> Hashable:
+        """Capture for a new signature (static, or dynamic by the automatic rule) and cache it; return its key."""
+        shape_free = signature.without_sizes()
+        sizes_captured = self._sizes_captured.setdefault(shape_free, [])
+        sizes_captured.append(signature.sizes)
+        # Once any signature's sizes have varied, a new keyword set is captured dynamic at once: one capture each.
+        make_dynamic = bool(dynamic) or (dynamic is None and any(len(sizes) > 1 for sizes in self._sizes_captured.values()))
+        captured = self._capture(args, kwargs, make_dynamic)
+        key = signature
+        if make_dynamic and is_dynamic(captured.graph_module):
+            key = (shape_free, InputGuard(captured.graph_module, len(captured.lifted)))
+            specialized = specialized_dims(captured.graph_module, len(captured.lifted), signature, sizes_captured)
+            if specialized:
+                warnings.warn(
+                    "graphamp captured with dynamic shapes, but some dims that changed between calls stay static, "
+                    "so each new size of them costs a capture: " + "; ".join(specialized) + ".",
+                    stacklevel=4,
+                )
+        previous = next(reversed(self._captures), None)
+        for older in self._captures.values():
+            older.example_inputs = None  # only the newest capture keeps its batch, for export's reruns
+        self._captures[key] = captured
+        if len(self._captures) > self.max_captures:
+            self._captures.popitem(last=False)
+            self._warn_overflow(key, previous)
+        return key
+
+    def _warn_overflow(self, key: Hashable, previous: Hashable) -> None:
+        def signature(k):
+            return k[0] if isinstance(k, tuple) else k
+
+        differences = signature(key).differences(signature(previous)) if previous is not None else []
+        warnings.warn(
+            f"graphamp has seen more than max_captures={self.max_captures} input signatures and dropped the "
+            f"oldest capture; each new one costs a capture. This call differs from the previous one in: "
+            f"{', '.join(differences)}. Keep those fixed between calls (pass optional keywords always or never), "
+            f"or pass a larger max_captures to rewrite().",
+            stacklevel=5,
+        )
+
+    def _capture(self, args: tuple, kwargs: dict, dynamic: bool = False) -> Captured:
         timings = {}
         with self.progress.phase(CAPTURE_PHASE, timings):
             if self._regions is None:
-                captured = capture(self._original, args, kwargs)
+                captured = capture(self._original, args, kwargs, dynamic=dynamic)
             else:
                 with self._regions.capturing():
-                    captured = capture(self._original, args, kwargs, self._regions.paths)
+                    captured = capture(self._original, args, kwargs, self._regions.paths, dynamic=dynamic)
         with self.progress.phase(CAST_PASS_PHASE, timings):
             captured.report = insert_casts(
                 captured.graph_module, self.amp_lists, self.level, self.fp32_outputs,
@@ -167,7 +224,9 @@ class AmpModule(nn.Module):
             captured.run = self._regions.split(captured, self.compile, self.progress, timings)
             return captured
         captured.run = (
-            CompiledGraph(captured.graph_module, self.progress, timings) if self.compile else captured.graph_module
+            CompiledGraph(captured.graph_module, self.progress, timings, is_dynamic(captured.graph_module))
+            if self.compile
+            else captured.graph_module
         )
         return captured
 
@@ -189,10 +248,12 @@ class AmpModule(nn.Module):
             original = self.__dict__.get("_original")
             if original is None:
                 raise
+            if name == "generate" and hasattr(original, "generate"):
+                return functools.partial(generate, self)  # through rewritten graphs, not the FP32 original
             return getattr(original, name)  # model.config and friends, as on the original
 
     def extra_repr(self) -> str:
-        return f"dtype={self.amp_lists.dtype_name}, level={self.level}, compile={self.compile}"
+        return f"dtype={self.amp_lists.dtype_name}, level={self.level}, compile={self.compile}, dynamic={self.dynamic}"
 
 
 _classes_looking_like: dict[type, type] = {}
@@ -212,6 +273,8 @@ def _class_looking_like(original_class: type) -> type:
     namespace = {"forward": forward, "__module__": __name__}
     if callable(getattr(original_class, "save_pretrained", None)):
         namespace["save_pretrained"] = _save_pretrained
+    if callable(getattr(original_class, "generate", None)):
+        namespace["generate"] = generate  # through rewritten graphs, not the class's own FP32 loop
     name = f"Amp{original_class.__name__}"
     try:
         cls = type(name, (AmpModule, original_class), namespace)
@@ -248,6 +311,7 @@ def rewrite(
     max_captures: int = DEFAULT_MAX_CAPTURES,
     progress: bool | None = None,
     regions: str | list[str] | None = None,
+    dynamic: bool | None = None,
 ) -> AmpModule:
     """Capture `model` with torch.export and return an AmpModule that runs it in mixed precision.
 
@@ -266,6 +330,9 @@ def rewrite(
         regions: module-path patterns of the blocks that run as their own graphs, called through their modules
             (hooks, FSDP2 sharding, activation checkpointing), e.g. "transformer.h.*"; identical blocks share
             one graph and one compile. See docs/distributed.md.
+        dynamic: None — a signature's first capture is static, and a call differing only in sizes is captured
+            once with dynamic dims, which serves every later size; True — dynamic dims from the first capture;
+            False — one static capture per input shape. See docs/shapes_and_generation.md.
 
     Returns:
         An AmpModule to train in place of `model`.
@@ -274,7 +341,7 @@ def rewrite(
         "rewrite", model, example_args, example_kwargs, amp_lists, level, compile
     )
     check_sharding(model, regions)
-    amp_model = AmpModule(model, amp_lists, level, compile, fp32_outputs, max_captures, progress, regions)
+    amp_model = AmpModule(model, amp_lists, level, compile, fp32_outputs, max_captures, progress, regions, dynamic)
     amp_model._captured_for(example_args, example_kwargs)
     return amp_model
 
@@ -297,12 +364,6 @@ def check_entry_arguments(
     if not isinstance(example_args, tuple):
         example_args = (example_args,)
     return example_args, dict(example_kwargs or {}), amp_lists
-
-
-def _leaf_signature(value) -> Hashable:
-    if isinstance(value, torch.Tensor):
-        return (tuple(value.shape), value.dtype, value.device)
-    return (type(value), value) if isinstance(value, Hashable) else (type(value), id(value))
 
 
 def device_of(model: nn.Module):

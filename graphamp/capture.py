@@ -7,6 +7,7 @@ IR is not functional: BatchNorm's running statistics are updated in place on tho
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import traceback
 import warnings
@@ -19,6 +20,7 @@ from torch import nn
 from torch.export.graph_signature import InputKind, OutputKind
 
 from graphamp.errors import CaptureError
+from graphamp.shapes import automatic_dynamic_dims
 
 __all__ = ["Captured", "LiftedInput", "capture", "explain_capture_failure"]
 
@@ -60,15 +62,19 @@ class Captured:
     module_calls: dict = field(default_factory=dict)
 
 
-def capture(model: nn.Module, args: tuple, kwargs: dict, preserve_module_call_signature: tuple = ()) -> Captured:
+def capture(
+    model: nn.Module, args: tuple, kwargs: dict, preserve_module_call_signature: tuple = (), dynamic: bool = False
+) -> Captured:
     """Export `model` on (args, kwargs) in its current train/eval mode; raise CaptureError if it cannot be.
 
     preserve_module_call_signature: module paths whose calls' inputs and outputs are recorded in `module_calls`.
+    dynamic: leave every dim of the tensor inputs symbolic where the model allows (graphamp.shapes).
     """
     args, kwargs = _ordinary_tensors((args, kwargs))
     try:
         # Grad mode is fixed so that one graph serves calls under no_grad/inference_mode too.
-        with torch.inference_mode(False), torch.enable_grad(), warnings.catch_warnings():
+        dims = automatic_dynamic_dims((args, kwargs)) if dynamic else contextlib.nullcontext()
+        with torch.inference_mode(False), torch.enable_grad(), warnings.catch_warnings(), dims:
             # nn.RNN keeps a Python list of its own parameters; export flags it, but they are parameters.
             warnings.filterwarnings("ignore", message=r"The tensor attributes self\..*_flat_weights")
             program = torch.export.export(

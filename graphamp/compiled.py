@@ -30,9 +30,10 @@ _callbacks_installed = False
 class CompiledGraph:
     """Calls `torch.compile(graph_module)`; `timings` accumulates the seconds of each compile phase."""
 
-    def __init__(self, graph_module: torch.fx.GraphModule, progress: Progress, timings: dict):
+    def __init__(self, graph_module: torch.fx.GraphModule, progress: Progress, timings: dict, dynamic: bool = False):
         _install_callbacks()
-        self.compiled = torch.compile(graph_module, dynamic=False)
+        # A graph with symbolic sizes compiles once for all of them; a static one is specialized to its shapes.
+        self.compiled = torch.compile(graph_module, dynamic=dynamic)
         self.progress = progress
         self.timings = timings
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import operator
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import torch
@@ -364,14 +365,17 @@ def _structure(graph: torch.fx.Graph) -> str:
     return "\n".join(lines)
 
 
-def _call_key(training: bool, spec: pytree.TreeSpec, flat: list):
-    from graphamp.amp_module import _leaf_signature
+def _leaf_signature(value) -> Hashable:
+    """A block call's leaf as its key sees it: a tensor's shape, dtype and device; any other value itself."""
+    if isinstance(value, torch.Tensor):
+        return (tuple(value.shape), value.dtype, value.device)
+    return (type(value), value) if isinstance(value, Hashable) else (type(value), id(value))
 
+
+def _call_key(training: bool, spec: pytree.TreeSpec, flat: list):
     return (training, (spec, tuple(_leaf_signature(x) for x in flat)))
 
 
 def _call_key_of_example(in_spec: pytree.TreeSpec, leaves: list):
     """The key a call with these (fake) leaves will have: real devices, not the capture's fake ones."""
-    from graphamp.amp_module import _leaf_signature
-
     return (in_spec, tuple(_leaf_signature(x) for x in leaves))

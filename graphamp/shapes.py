@@ -1,0 +1,186 @@
+"""Input signatures and dynamic shapes: which capture serves a call, and which dims a capture leaves symbolic.
+
+torch.compile's "automatic dynamic" rule, applied to torch.export: a signature's first capture is static; a
+call that differs from it only in tensor sizes is captured once more with every dim torch.export can keep
+symbolic, and that capture serves every later size its guards admit. A dynamic capture's cache key is the
+signature without sizes; the shape environment's own guards say whether it fits a call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Hashable
+from dataclasses import dataclass, replace
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+from torch._guards import detect_fake_mode
+
+__all__ = [
+    "InputGuard", "InputSignature", "automatic_dynamic_dims", "is_dynamic", "signature_of", "specialized_dims",
+    "without_defaults",
+]
+
+# Where torch._dynamo.maybe_mark_dynamic records a tensor's dims (left on a tensor, they fail compiled guards).
+_MARKERS = ("_dynamo_weak_dynamic_indices", "_has_dynamo_dim_marking")
+
+
+@dataclass(frozen=True)
+class InputSignature:
+    """What decides a capture: mode, device, input structure, each leaf's kind and dtype, and (static) sizes."""
+
+    training: bool
+    device: Hashable
+    spec: pytree.TreeSpec
+    leaves: tuple[tuple[str, Hashable], ...]  # (leaf name, kind/dtype/rank or the non-tensor value)
+    sizes: tuple | None  # each tensor leaf's shape (None for non-tensors); None in a dynamic capture's key
+
+    def without_sizes(self) -> InputSignature:
+        return replace(self, sizes=None)
+
+    def differences(self, other: InputSignature) -> list[str]:
+        """What differs from `other`, in the user's words: mode, keywords added or dropped, dtype, shape, value."""
+        found = []
+        if self.training != other.training:
+            found.append(f"mode {'train' if other.training else 'eval'} → {'train' if self.training else 'eval'}")
+        if self.device != other.device:
+            found.append(f"device {other.device} → {self.device}")
+        mine, theirs = dict(self.leaves), dict(other.leaves)
+        found += [f"{name} added" for name in mine if name not in theirs]
+        found += [f"{name} dropped" for name in theirs if name not in mine]
+        for name in (n for n in mine if n in theirs and mine[n] != theirs[n]):
+            found.append(f"{name} {_leaf_text(theirs[name])} → {_leaf_text(mine[name])}")
+        if self.sizes is not None and other.sizes is not None and self.spec == other.spec:
+            for (name, _), size, old in zip(self.leaves, self.sizes, other.sizes):
+                if size != old:
+                    found.append(f"{name} shape {tuple(old)} → {tuple(size)}")
+        return found or ["input structure"]
+
+
+def signature_of(training: bool, device, args: tuple, kwargs: dict) -> tuple[InputSignature, list]:
+    """The call's signature and its flat inputs (the graph's user placeholders, in order)."""
+    leaves_with_path, spec = pytree.tree_flatten_with_path((args, kwargs))
+    names = tuple(_leaf_name(path) for path, _ in leaves_with_path)
+    flat = [leaf for _, leaf in leaves_with_path]
+    signature = InputSignature(
+        training=training,
+        device=device,
+        spec=spec,
+        leaves=tuple(zip(names, (_leaf_kind(x) for x in flat))),
+        sizes=tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in flat),
+    )
+    return signature, flat
+
+
+def without_defaults(model: nn.Module, kwargs: dict) -> dict:
+    """kwargs without those passed at forward()'s own default value: they cannot change the graph."""
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return kwargs
+
+    def is_default(name, value) -> bool:
+        default = parameters[name].default if name in parameters else inspect.Parameter.empty
+        if default is inspect.Parameter.empty or isinstance(value, torch.Tensor):
+            return False
+        return value is default or (type(value) is type(default) and isinstance(value, (bool, int, str)) and value == default)
+
+    return {name: value for name, value in kwargs.items() if not is_default(name, value)}
+
+
+@contextlib.contextmanager
+def automatic_dynamic_dims(tree):
+    """Mark every dim of every tensor in `tree` dynamic for the capture made inside the block.
+
+    torch.export reads dynamo's `maybe_mark_dynamic` markers (as it reads `Dim.AUTO`, whose dynamic_shapes
+    spec cannot name a forward's **kwargs): a dim stays symbolic where the model allows and is specialized
+    where its code requires a size (a weight's width, a size of 0 or 1); `specialized_dims` reports those.
+    The markers are taken off the caller's tensors afterwards.
+    """
+    tensors = [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.dim() > 0]
+    saved = [{name: t.__dict__[name] for name in _MARKERS if name in t.__dict__} for t in tensors]
+    for tensor in tensors:
+        for dim in range(tensor.dim()):
+            torch._dynamo.maybe_mark_dynamic(tensor, dim)
+    try:
+        yield
+    finally:
+        for tensor, markers in zip(tensors, saved):
+            for name in _MARKERS:
+                tensor.__dict__.pop(name, None)
+            tensor.__dict__.update(markers)
+
+
+class InputGuard:
+    """torch's guards over a dynamic capture's input sizes: whether a call of the same signature fits the graph."""
+
+    def __init__(self, graph_module: torch.fx.GraphModule, lifted_count: int):
+        values = [node.meta.get("val") for node in user_placeholders(graph_module, lifted_count)]
+        self.tensor_positions = [i for i, value in enumerate(values) if isinstance(value, torch.Tensor)]
+        fake_inputs = [values[i] for i in self.tensor_positions]
+        self.shape_env = detect_fake_mode(fake_inputs).shape_env
+        # Static dims included: the cache key of a dynamic capture carries no sizes.
+        self.expression = self.shape_env.produce_guards_expression(fake_inputs, ignore_static=False)
+
+    def fits(self, flat_inputs: list) -> bool:
+        if not self.expression:
+            return True
+        return self.shape_env.evaluate_guards_expression(self.expression, [flat_inputs[i] for i in self.tensor_positions])
+
+
+def user_placeholders(graph_module: torch.fx.GraphModule, lifted_count: int) -> list[torch.fx.Node]:
+    return list(graph_module.graph.find_nodes(op="placeholder"))[lifted_count:]
+
+
+def is_dynamic(graph_module: torch.fx.GraphModule) -> bool:
+    """Whether any placeholder of the graph has a symbolic size."""
+    return any(
+        isinstance(value, torch.Tensor) and any(isinstance(size, torch.SymInt) for size in value.shape)
+        for value in (node.meta.get("val") for node in graph_module.graph.find_nodes(op="placeholder"))
+    )
+
+
+def specialized_dims(
+    graph_module: torch.fx.GraphModule, lifted_count: int, signature: InputSignature, seen_sizes: list[tuple]
+) -> list[str]:
+    """Dims that took more than one size in the calls seen but are static in the dynamic capture, and why."""
+    found = []
+    placeholders = user_placeholders(graph_module, lifted_count)
+    for index, ((name, _), node) in enumerate(zip(signature.leaves, placeholders)):
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            continue
+        for dim, size in enumerate(value.shape):
+            seen = {sizes[index][dim] for sizes in seen_sizes if sizes[index] is not None and len(sizes[index]) > dim}
+            if isinstance(size, int) and len(seen) > 1:
+                why = (
+                    "torch.export specializes sizes 0 and 1" if size in (0, 1)
+                    else "the model's code requires this size (it meets a fixed size, e.g. a weight's)"
+                )
+                found.append(f"{name} dim {dim} is static at {size}: {why}")
+    return found
+
+
+def _leaf_name(path) -> str:
+    """'input_ids', 'args[0]', 'past_key_values.key_cache[1]' for a leaf of (args, kwargs)."""
+    where, *rest = path
+    head = f"args[{rest[0].idx}]" if where.idx == 0 and rest else ""
+    parts = rest[1:] if where.idx == 0 else rest
+    text = head + "".join(
+        f".{k.key}" if isinstance(k, pytree.MappingKey) and isinstance(k.key, str) else str(k) for k in parts
+    )
+    return text.lstrip(".") or "input"
+
+
+def _leaf_kind(value) -> Hashable:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, value.dim(), value.device)
+    return (type(value), value) if isinstance(value, Hashable) else (type(value), id(value))
+
+
+def _leaf_text(kind) -> str:
+    if kind[0] == "tensor":
+        return f"{str(kind[1]).removeprefix('torch.')} {kind[2]}-d tensor"
+    return repr(kind[1]) if isinstance(kind[1], Hashable) else type(kind[1]).__name__
