@@ -17,9 +17,12 @@ from torch import nn
 
 from graphamp.capture import Captured, capture
 from graphamp.cast_pass import RewriteReport, check_level, insert_casts
+from graphamp.checkpointing import checkpointed, marking_checkpoints, matching_modules
 from graphamp.compiled import CompiledGraph
 from graphamp.dtypes import HALF_DTYPES, check_dtype_runs_on, dtype_name
+from graphamp.fingerprint import module_fingerprint
 from graphamp.lists import AutoMixedPrecisionLists
+from graphamp.module_hooks import check_backward_hooks
 from graphamp.progress import Progress
 
 __all__ = ["AmpModule", "rewrite"]
@@ -39,7 +42,7 @@ class AmpModule(nn.Module):
 
     def __init__(
         self, model, amp_lists, level="O1", compile=False, fp32_outputs=True, max_captures=DEFAULT_MAX_CAPTURES,
-        progress=None,
+        progress=None, checkpoint=None,
     ):
         super().__init__()
         self.__dict__["_original"] = model  # not registered: its tables are ours already
@@ -53,8 +56,10 @@ class AmpModule(nn.Module):
         self.fp32_outputs = fp32_outputs
         self.max_captures = max_captures
         self.progress = Progress(progress)
+        self.checkpoint = checkpoint
         self._captures: OrderedDict[Hashable, Captured] = OrderedDict()
         self._last: Captured | None = None
+        self._fingerprint: tuple | None = None  # of the model as the cached captures saw it
 
     @property
     def original_module(self) -> nn.Module:
@@ -102,13 +107,29 @@ class AmpModule(nn.Module):
         outputs = captured.run(*lifted, *flat_inputs)
         return pytree.tree_unflatten([outputs[i] for i in captured.user_outputs], captured.out_spec)
 
+    def recapture(self) -> None:
+        """Drop every cached capture: the next call captures the model as it is then.
+
+        Edits to the module tree, its parameters, buffers and hooks are noticed on their own; call this after a
+        change graphamp cannot see, such as a Python attribute that forward reads (`self.use_relu = False`).
+        """
+        self._captures.clear()
+        self._fingerprint = None
+
     def _captured_for(self, args: tuple, kwargs: dict) -> tuple[Captured, list]:
+        if module_fingerprint(self._original) != self._fingerprint:
+            self._captures.clear()  # a graph of the model as it was must never run again
         kwargs = dict(sorted(kwargs.items()))  # one capture whatever order keywords are passed in
         flat_inputs, spec = pytree.tree_flatten((args, kwargs))
         key = (self.training, spec, tuple(_leaf_signature(x) for x in flat_inputs), device_of(self._original))
         captured = self._captures.get(key)
         if captured is None:
+            if not self._captures:
+                check_master_weights(self._original)  # again: `.half()` or a swapped-in module since rewrite
+            check_backward_hooks(self._original)
             captured = self._capture(args, kwargs)
+            # Taken after capture: a model may register hooks on its first call (transformers' output capturing).
+            self._fingerprint = module_fingerprint(self._original)
             for older in self._captures.values():
                 older.example_inputs = None  # only the newest capture keeps its batch, for export's reruns
             self._captures[key] = captured
@@ -127,7 +148,7 @@ class AmpModule(nn.Module):
 
     def _capture(self, args: tuple, kwargs: dict) -> Captured:
         timings = {}
-        with self.progress.phase(CAPTURE_PHASE, timings):
+        with self.progress.phase(CAPTURE_PHASE, timings), marking_checkpoints(self._original, self.checkpoint):
             captured = capture(self._original, args, kwargs)
         with self.progress.phase(CAST_PASS_PHASE, timings):
             captured.report = insert_casts(
@@ -135,10 +156,20 @@ class AmpModule(nn.Module):
                 fp32_placeholders(self._original, captured, self.level),
             )
         captured.timings = timings
-        captured.run = (
-            CompiledGraph(captured.graph_module, self.progress, timings) if self.compile else captured.graph_module
-        )
+        runnable = checkpointed(captured.graph_module)
+        captured.run = CompiledGraph(runnable, self.progress, timings) if self.compile else runnable
         return captured
+
+    def _apply(self, fn, recurse=True):
+        result = super()._apply(fn, recurse)
+        check_master_weights(self._original)  # `.to(torch.bfloat16)` / `.half()` get rewrite's check
+        return result
+
+    def __getstate__(self) -> dict:
+        """Copies (deepcopy, pickle, torch.save) drop the captured graphs: the copy recaptures on first use."""
+        state = dict(super().__getstate__())
+        state.update(_captures=OrderedDict(), _last=None, _fingerprint=None)
+        return state
 
     def __getattr__(self, name):
         try:
@@ -163,6 +194,7 @@ def rewrite(
     fp32_outputs: bool = True,
     max_captures: int = DEFAULT_MAX_CAPTURES,
     progress: bool | None = None,
+    checkpoint: str | None = None,
 ) -> AmpModule:
     """Capture `model` with torch.export and return an AmpModule that runs it in mixed precision.
 
@@ -174,11 +206,15 @@ def rewrite(
     fp32_outputs: cast floating outputs back to float32 (the loss comes back FP32).
     progress: a line on stderr per phase (capture, cast pass, inductor compiles) — None: phases still running
     after 2 s; True: every phase; False: none. Each capture's `timings` has the seconds either way.
+    checkpoint: activation checkpointing of every submodule whose path matches this fnmatch pattern
+    ("transformer.h.*"): its activations are recomputed in backward instead of saved. Checkpointing the model
+    does itself (torch.utils.checkpoint, HF gradient_checkpointing_enable()) is kept without it.
     """
     example_args, example_kwargs, amp_lists = check_entry_arguments(
         "rewrite", model, example_args, example_kwargs, amp_lists, level, compile
     )
-    amp_model = AmpModule(model, amp_lists, level, compile, fp32_outputs, max_captures, progress)
+    matching_modules(model, checkpoint)  # a pattern that matches nothing fails before the capture
+    amp_model = AmpModule(model, amp_lists, level, compile, fp32_outputs, max_captures, progress, checkpoint)
     amp_model._captured_for(example_args, example_kwargs)
     return amp_model
 

@@ -19,3 +19,7 @@ class LossScalingError(GraphampError, RuntimeError):
 
 class ExportError(GraphampError, RuntimeError):
     """export() could not write one of its files (Graphviz missing or failing); the message says the fix."""
+
+
+class HookError(GraphampError, RuntimeError):
+    """A module hook of a kind the rewritten graph cannot run (a backward hook on a submodule); says the fix."""

@@ -1,0 +1,51 @@
+"""Which module hooks a rewritten graph can honour, and a clear error for those it cannot.
+
+Non-strict torch.export calls every module through `nn.Module.__call__`, so forward pre-hooks and forward
+hooks (with or without kwargs) run while graphamp captures: what they do to values (a returned replacement,
+an in-place edit, a tensor they hand to forward's outputs) is in the graph and runs on every call, and adding
+or removing one makes the next call recapture (graphamp.fingerprint). Backward hooks on submodules cannot be
+honoured: the graph's backward is autograd's over the aten ops, with no module boundary left to call them at.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.nn.modules import module as _module_globals
+
+from graphamp.errors import HookError
+
+BACKWARD_HOOK_FIX = (
+    "register the hook on the AmpModule itself (its hooks run around the whole graph), use a tensor hook "
+    "(output.register_hook) on a value forward returns, or keep that module out of the rewritten graph"
+)
+
+
+def check_backward_hooks(model: nn.Module) -> None:
+    """Raise HookError naming the first backward hook on `model` or its submodules, or a global one.
+
+    Args:
+        model: the module about to be captured (the original, not the AmpModule).
+    """
+    for path, module in model.named_modules():
+        for kind, hooks in (("backward pre-hook", module._backward_pre_hooks), ("backward hook", module._backward_hooks)):
+            for hook in hooks.values():
+                where = f"submodule '{path}' ({type(module).__name__})" if path else f"the model ({type(module).__name__})"
+                raise HookError(
+                    f"{_name(hook)} is a {kind} on {where}; a rewritten graph runs no module hooks in backward, "
+                    f"so it would never fire. Fix: {BACKWARD_HOOK_FIX}."
+                )
+    for kind, hooks in (
+        ("global backward pre-hook", _module_globals._global_backward_pre_hooks),
+        ("global backward hook", _module_globals._global_backward_hooks),
+    ):
+        for hook in hooks.values():
+            raise HookError(
+                f"{_name(hook)} is a {kind} (torch.nn.modules.module.register_module_full_backward_hook); a "
+                f"rewritten graph runs no module hooks in backward. Fix: remove it while the AmpModule runs, or {BACKWARD_HOOK_FIX}."
+            )
+
+
+def _name(hook) -> str:
+    name = getattr(hook, "__qualname__", None) or type(hook).__name__
+    code = getattr(hook, "__code__", None)
+    return f"'{name}' ({code.co_filename}:{code.co_firstlineno})" if code is not None else f"'{name}'"
