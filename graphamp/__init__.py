@@ -12,7 +12,7 @@ from graphamp.amp_module import AmpModule, rewrite
 from graphamp.cast_pass import RewriteReport
 from graphamp.diagnosis.auto_lists import AutoListsResult, auto_mixed_precision
 from graphamp.diagnosis.diagnose import DoctorReport, doctor
-from graphamp.errors import CaptureError, ExportError, GraphampError, ListFileError, LossScalingError
+from graphamp.errors import CaptureError, ExportError, GraphampError, HookError, ListFileError, LossScalingError
 from graphamp.inspection.export_files import export
 from graphamp.lists import AutoMixedPrecisionLists, Decision
 from graphamp.loss_scaler import LossScaler
@@ -29,6 +29,7 @@ __all__ = [
     "DoctorReport",
     "ExportError",
     "GraphampError",
+    "HookError",
     "ListFileError",
     "LossScaler",
     "LossScalingError",

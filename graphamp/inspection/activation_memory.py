@@ -13,6 +13,7 @@ def saved_activation_bytes(model: nn.Module, run: Callable[[], torch.Tensor]) ->
 
     Counted once per storage through torch.autograd.graph.saved_tensors_hooks, so a view saved twice or a
     tensor saved by two ops counts once. Tensors a checkpoint saves and drops in its own hooks are not counted.
+    Call an AmpModule once before measuring it: a capture inside `run()` would meet the hooks with fake tensors.
 
     Args:
         model: the model whose parameters (FP32 master weights, memory either way) are left out.
