@@ -223,3 +223,17 @@ def pairs_near_1000(n=64, seed=0):
     generator = torch.Generator().manual_seed(seed)
     offsets = torch.randn(n, 1, generator=generator)
     return torch.cat([1000 + offsets, torch.full_like(offsets, 1000.0)], dim=1)
+
+
+class TwoLayer(nn.Module):
+    """Linear, ReLU, Linear: the smallest model with submodules to swap and hook; `use_relu` is read in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.fc2 = nn.Linear(32, 4)
+        self.use_relu = True
+
+    def forward(self, x):
+        hidden = self.fc1(x)
+        return self.fc2(torch.relu(hidden) if self.use_relu else hidden)

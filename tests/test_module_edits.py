@@ -6,19 +6,8 @@ import torch
 from torch import nn
 
 import graphamp
+from models import TwoLayer
 from training import relative_error
-
-
-class TwoLayer(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(16, 32)
-        self.fc2 = nn.Linear(32, 4)
-        self.use_relu = True
-
-    def forward(self, x):
-        hidden = self.fc1(x)
-        return self.fc2(torch.relu(hidden) if self.use_relu else hidden)
 
 
 def zero_linear(fan_in, fan_out):

@@ -4,20 +4,10 @@ graph cannot run, raise HookError naming the hook."""
 
 import pytest
 import torch
-from torch import nn
 
 import graphamp
+from models import TwoLayer
 from training import relative_error
-
-
-class TwoLayer(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(16, 32)
-        self.fc2 = nn.Linear(32, 4)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x)))
 
 
 def double_input(module, args):
