@@ -22,7 +22,7 @@ from graphamp.compiled import CompiledGraph
 from graphamp.dtypes import HALF_DTYPES, check_dtype_runs_on, dtype_name
 from graphamp.fingerprint import module_fingerprint
 from graphamp.lists import AutoMixedPrecisionLists
-from graphamp.module_hooks import check_backward_hooks
+from graphamp.module_hooks import check_backward_hooks, noting_side_effect_hooks
 from graphamp.progress import Progress
 
 __all__ = ["AmpModule", "rewrite"]
@@ -148,8 +148,19 @@ class AmpModule(nn.Module):
 
     def _capture(self, args: tuple, kwargs: dict) -> Captured:
         timings = {}
-        with self.progress.phase(CAPTURE_PHASE, timings), marking_checkpoints(self._original, self.checkpoint):
+        with (
+            self.progress.phase(CAPTURE_PHASE, timings),
+            marking_checkpoints(self._original, self.checkpoint),
+            noting_side_effect_hooks(self._original) as side_effect_hooks,
+        ):
             captured = capture(self._original, args, kwargs)
+        if side_effect_hooks:
+            warnings.warn(
+                f"{'; '.join(side_effect_hooks)} returned None while graphamp captured the model: what it does to "
+                f"forward's values is in the graph, but its other side effects (a list it appends to, a print) ran "
+                f"only during the capture. Register it on the AmpModule itself, or return what it records from forward.",
+                stacklevel=4,
+            )
         with self.progress.phase(CAST_PASS_PHASE, timings):
             captured.report = insert_casts(
                 captured.graph_module, self.amp_lists, self.level, self.fp32_outputs,

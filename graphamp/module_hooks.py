@@ -9,6 +9,10 @@ honoured: the graph's backward is autograd's over the aten ops, with no module b
 
 from __future__ import annotations
 
+import sysconfig
+from contextlib import contextmanager
+from pathlib import Path
+
 from torch import nn
 from torch.nn.modules import module as _module_globals
 
@@ -43,6 +47,51 @@ def check_backward_hooks(model: nn.Module) -> None:
                 f"{_name(hook)} is a {kind} (torch.nn.modules.module.register_module_full_backward_hook); a "
                 f"rewritten graph runs no module hooks in backward. Fix: remove it while the AmpModule runs, or {BACKWARD_HOOK_FIX}."
             )
+
+
+@contextmanager
+def noting_side_effect_hooks(model: nn.Module):
+    """While capturing: yields a list that gets a description of each forward (pre-)hook that returned None.
+
+    Such a hook works by side effect; in the graph only the part that reaches forward's values repeats, the
+    rest (a list it appends to, a print) ran once, at capture. Hooks of installed libraries are left out:
+    transformers' output capturing, for one, feeds forward's outputs and is honoured.
+
+    Args:
+        model: the module being captured.
+    """
+    noted: list[str] = []
+    wrapped = []
+    for path, module in model.named_modules():
+        for kind, hooks in (("forward pre-hook", module._forward_pre_hooks), ("forward hook", module._forward_hooks)):
+            for key, hook in list(hooks.items()):
+                if not _from_installed_library(hook):
+                    where = f"submodule '{path}'" if path else "the model"
+                    hooks[key] = _noting_none(hook, noted, f"{kind} {_name(hook)} on {where}")
+                    wrapped.append((hooks, key, hook))
+    try:
+        yield noted
+    finally:
+        for hooks, key, hook in wrapped:
+            if key in hooks:
+                hooks[key] = hook
+
+
+def _noting_none(hook, noted: list[str], description: str):
+    def noting(*args, **kwargs):
+        result = hook(*args, **kwargs)
+        if result is None and description not in noted:
+            noted.append(description)
+        return result
+    return noting
+
+
+_LIBRARY_DIRS = tuple({str(Path(sysconfig.get_paths()[key]).resolve()) for key in ("purelib", "platlib")})
+
+
+def _from_installed_library(hook) -> bool:
+    code = getattr(hook, "__code__", None)
+    return code is not None and str(Path(code.co_filename).resolve()).startswith(_LIBRARY_DIRS)
 
 
 def _name(hook) -> str:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import graphamp
-from models import TwoLayer
+from models import TwoLayer, gpt2, token_batch
 from training import relative_error
 
 
@@ -106,3 +106,21 @@ def test_backward_hook_on_the_amp_module_itself_runs_every_call(bf16):
     for _ in range(2):
         amp(x).sum().backward()
     assert calls == [torch.Size([8, 4])] * 2
+
+
+def test_side_effect_hook_is_reported_at_capture(bf16):
+    model, x = model_and_batch()
+    recorded = []
+    model.fc1.register_forward_hook(lambda module, args, output: recorded.append(output.shape))
+    with pytest.warns(UserWarning, match=r"forward hook .* on submodule 'fc1' returned None"):
+        graphamp.rewrite(model, (x,), amp_lists=bf16)
+
+
+def test_hf_output_capturing_hooks_are_not_reported(bf16, recwarn):
+    torch.manual_seed(0)
+    model = gpt2()
+    ids = token_batch()
+    amp = graphamp.rewrite(model, (), {"input_ids": ids, "output_hidden_states": True}, amp_lists=bf16)
+    hidden = amp(input_ids=ids, output_hidden_states=True).hidden_states
+    assert len(hidden) == model.config.n_layer + 1
+    assert not [w for w in recwarn if "returned None" in str(w.message)]
