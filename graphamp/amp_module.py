@@ -158,7 +158,8 @@ class AmpModule(nn.Module):
             warnings.warn(
                 f"{'; '.join(side_effect_hooks)} returned None while graphamp captured the model: what it does to "
                 f"forward's values is in the graph, but its other side effects (a list it appends to, a print) ran "
-                f"only during the capture. Register it on the AmpModule itself, or return what it records from forward.",
+                f"only during the capture. Register it on the AmpModule itself, or return what it records from "
+                f"forward.",
                 stacklevel=4,
             )
         with self.progress.phase(CAST_PASS_PHASE, timings):

@@ -106,7 +106,7 @@ def _region(node: torch.fx.Node):
 
 def _move_casts_into_regions(graph: torch.fx.Graph) -> None:
     """A node the cast pass made (no capture meta) whose users are all in one region joins it, so that the
-    low-precision copies it makes are recomputed in backward, not saved: autocast's casts inside a checkpoint are too."""
+    low-precision copy it makes is recomputed in backward, not saved, as autocast's casts in a checkpoint are."""
     position = {node: i for i, node in enumerate(graph.nodes)}
     for node in reversed(list(graph.nodes)):
         if node.op != "call_function" or REGION_KEY in node.meta.get("custom", {}) or not node.users:

@@ -1,6 +1,6 @@
 """What a captured graph depends on in the module, as one cheap comparable value.
 
-A capture is a snapshot of the module tree: which submodule objects are where (and any left in a mode other than the root's),
+A capture is a snapshot of the module tree: which submodule objects are where (and any in another mode than the root),
 which parameter and buffer objects they hold (with requires_grad and dtype), and which forward
 and backward hooks were registered (on each submodule, and globally). `AmpModule` compares this fingerprint
 on every call and recaptures when it changed, so an edit to the model is never run through an old graph.
@@ -30,7 +30,8 @@ def module_fingerprint(model: nn.Module) -> tuple:
         # Hook dicts are keyed by a handle id that is never reused: their keys change on every add or remove.
         parts.append((
             # Against the root's mode: train()/eval() of the whole tree is the capture key's, not an edit.
-            id(module), module.training is root_training, tuple(module._forward_pre_hooks), tuple(module._forward_hooks),
+            id(module), module.training is root_training,
+            tuple(module._forward_pre_hooks), tuple(module._forward_hooks),
             tuple(module._backward_pre_hooks), tuple(module._backward_hooks),
         ))
         for table in (module._parameters, module._buffers):

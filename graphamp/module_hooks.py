@@ -31,12 +31,13 @@ def check_backward_hooks(model: nn.Module) -> None:
         model: the module about to be captured (the original, not the AmpModule).
     """
     for path, module in model.named_modules():
-        for kind, hooks in (("backward pre-hook", module._backward_pre_hooks), ("backward hook", module._backward_hooks)):
+        where = f"submodule '{path}'" if path else "the model"
+        backward_hooks = (("backward pre-hook", module._backward_pre_hooks), ("backward hook", module._backward_hooks))
+        for kind, hooks in backward_hooks:
             for hook in hooks.values():
-                where = f"submodule '{path}' ({type(module).__name__})" if path else f"the model ({type(module).__name__})"
                 raise HookError(
-                    f"{_name(hook)} is a {kind} on {where}; a rewritten graph runs no module hooks in backward, "
-                    f"so it would never fire. Fix: {BACKWARD_HOOK_FIX}."
+                    f"{_name(hook)} is a {kind} on {where} ({type(module).__name__}); a rewritten graph runs no "
+                    f"module hooks in backward, so it would never fire. Fix: {BACKWARD_HOOK_FIX}."
                 )
     for kind, hooks in (
         ("global backward pre-hook", _module_globals._global_backward_pre_hooks),
@@ -45,7 +46,8 @@ def check_backward_hooks(model: nn.Module) -> None:
         for hook in hooks.values():
             raise HookError(
                 f"{_name(hook)} is a {kind} (torch.nn.modules.module.register_module_full_backward_hook); a "
-                f"rewritten graph runs no module hooks in backward. Fix: remove it while the AmpModule runs, or {BACKWARD_HOOK_FIX}."
+                f"rewritten graph runs no module hooks in backward. Fix: remove it while the AmpModule runs, or "
+                f"{BACKWARD_HOOK_FIX}."
             )
 
 
