@@ -41,16 +41,16 @@ def marking_checkpoints(model: nn.Module, pattern: str | None = None):
         if hasattr(fx_traceback, "annotate"):
             # Every captured node says "no region": nodes the cast pass adds later are told apart by its absence.
             stack.enter_context(fx_traceback.annotate({REGION_KEY: None}))
-        stack.callback(_restore, torch_checkpoint, "CheckpointFunction", torch_checkpoint.CheckpointFunction)
+        stack.callback(setattr, torch_checkpoint, "CheckpointFunction", torch_checkpoint.CheckpointFunction)
         stack.callback(
-            _restore, torch_checkpoint, "_checkpoint_without_reentrant_generator",
+            setattr, torch_checkpoint, "_checkpoint_without_reentrant_generator",
             torch_checkpoint._checkpoint_without_reentrant_generator,
         )
         torch_checkpoint.CheckpointFunction = _MarkedReentrantCheckpoint
         torch_checkpoint._checkpoint_without_reentrant_generator = _marked_checkpoint_generator
         for module in matching_modules(model, pattern):
-            module.forward = _marked_forward(module.forward)  # an instance attribute, deleted on exit
-            stack.callback(module.__dict__.pop, "forward")
+            stack.callback(_restore_forward, module, module.__dict__.get("forward"))  # accelerate sets one too
+            module.forward = _marked_forward(module.forward)
         yield
 
 
@@ -177,5 +177,8 @@ def _marked_forward(forward):
     return marked
 
 
-def _restore(namespace, name, value) -> None:
-    setattr(namespace, name, value)
+def _restore_forward(module: nn.Module, instance_forward) -> None:
+    if instance_forward is None:
+        del module.forward  # the class's forward shows through again
+    else:
+        module.forward = instance_forward

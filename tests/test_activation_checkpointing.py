@@ -121,3 +121,12 @@ def test_hf_gradient_checkpointing_saves_less_than_without(bf16):
     amp(input_ids=ids, labels=ids)  # captured outside the measurement
     with_checkpointing = saved_activation_bytes(model, lambda: amp(input_ids=ids, labels=ids).loss)
     assert with_checkpointing < 0.5 * without
+
+
+def test_checkpoint_pattern_leaves_the_modules_forward_as_it_was(bf16):
+    model, x = stack_and_batch(None)
+    instance_forward = model.blocks[1].forward
+    model.blocks[1].forward = instance_forward  # as accelerate's hooks set one
+    graphamp.rewrite(model, (x,), amp_lists=bf16, checkpoint="blocks.*")
+    assert "forward" not in vars(model.blocks[0])
+    assert vars(model.blocks[1])["forward"] is instance_forward
