@@ -13,7 +13,7 @@ from graphamp.cast_pass import RewriteReport
 from graphamp.diagnosis.auto_lists import AutoListsResult, auto_mixed_precision
 from graphamp.diagnosis.diagnose import DoctorReport, doctor
 from graphamp.errors import (
-    CaptureError, DoubleAmpError, ExportError, GraphampError, ListFileError, LossScalingError,
+    CaptureError, DoubleAmpError, ExportError, GraphampError, HookError, ListFileError, LossScalingError,
 )
 from graphamp.inspection.export_files import export
 from graphamp.lists import AutoMixedPrecisionLists, Decision
@@ -32,6 +32,7 @@ __all__ = [
     "DoctorReport",
     "ExportError",
     "GraphampError",
+    "HookError",
     "ListFileError",
     "LossScaler",
     "LossScalingError",

@@ -21,12 +21,15 @@ from torch import nn
 
 from graphamp.capture import Captured, capture
 from graphamp.cast_pass import RewriteReport, check_level, insert_casts
+from graphamp.checkpointing import checkpointed, marking_checkpoints, matching_modules
 from graphamp.compiled import CompiledGraph
 from graphamp.dtypes import HALF_DTYPES, check_dtype_runs_on, dtype_name
 from graphamp.errors import DoubleAmpError
 from graphamp.in_graph_scaling import register_parameters, run_scaled
 from graphamp.generation import generate
+from graphamp.fingerprint import module_fingerprint
 from graphamp.lists import AutoMixedPrecisionLists
+from graphamp.module_hooks import check_backward_hooks, noting_side_effect_hooks
 from graphamp.progress import Progress
 from graphamp.regions import Regions, check_sharding, region_paths
 from graphamp.shapes import InputGuard, InputSignature, is_dynamic, signature_of, specialized_dims, without_defaults
@@ -53,11 +56,11 @@ class AmpModule(nn.Module):
     def __new__(cls, model=None, *args, **kwargs):
         if cls is AmpModule and isinstance(model, nn.Module):
             cls = _class_looking_like(type(model))
-        return super().__new__(cls)
+        return object.__new__(cls)  # not the original class's __new__ (FSDP2's builds another object)
 
     def __init__(
         self, model, amp_lists, level="O1", compile=False, fp32_outputs=True, max_captures=DEFAULT_MAX_CAPTURES,
-        progress=None, regions=None, dynamic=None,
+        progress=None, regions=None, dynamic=None, checkpoint=None,
     ):
         nn.Module.__init__(self)  # not super(): the next class may be the original's, whose __init__ builds a model
         self.__dict__["_original"] = model  # not registered: its tables are ours already
@@ -77,6 +80,7 @@ class AmpModule(nn.Module):
             )
         self.dynamic = False if regions is not None else dynamic  # a region's calls are keyed by their shapes
         self.progress = Progress(progress)
+        self.checkpoint = checkpoint
         # Keys: an InputSignature for a static capture, (signature without sizes, InputGuard) for a dynamic one.
         self._captures: OrderedDict[Hashable, Captured] = OrderedDict()
         self._sizes_captured: dict[InputSignature, list[tuple]] = {}  # per signature without sizes
@@ -84,6 +88,7 @@ class AmpModule(nn.Module):
         self._regions = Regions(model, region_paths(model, regions)) if regions is not None else None
         self._linked_optimizer: weakref.ref | None = None
         register_parameters(self)
+        self._fingerprint: tuple | None = None  # of the model as the cached captures saw it
 
     @property
     def original_module(self) -> nn.Module:
@@ -141,17 +146,33 @@ class AmpModule(nn.Module):
             outputs = run_scaled(captured.run, [*lifted, *flat_inputs], scale)
         return pytree.tree_unflatten([outputs[i] for i in captured.user_outputs], captured.out_spec)
 
+    def recapture(self) -> None:
+        """Drop every cached capture: the next call captures the model as it is then.
+
+        Edits to the module tree, its parameters, buffers and hooks are noticed on their own; call this after a
+        change graphamp cannot see, such as a Python attribute that forward reads (`self.use_relu = False`).
+        """
+        self._captures.clear()
+        self._fingerprint = None
+
     def _captured_for(self, args: tuple, kwargs: dict, dynamic: bool | None = None) -> tuple[Captured, list]:
         """The capture serving this call (made if none does) and the call's flat inputs.
 
         dynamic: True captures with dynamic dims at once, as generation does; None follows `self.dynamic`.
         """
+        if module_fingerprint(self._original) != self._fingerprint:
+            self._captures.clear()  # a graph of the model as it was must never run again
         # One capture whatever order keywords come in, and whether or not a default is passed explicitly.
         kwargs = dict(sorted(without_defaults(self._original, kwargs).items()))
         signature, flat_inputs = signature_of(self.training, device_of(self._original), args, kwargs)
         key = self._cached_key(signature, flat_inputs)
         if key is None:
+            if not self._captures:
+                check_master_weights(self._original)  # again: `.half()` or a swapped-in module since rewrite
+            check_backward_hooks(self._original, self._regions.paths if self._regions is not None else ())
             key = self._capture_signature(signature, args, kwargs, self.dynamic if dynamic is None else dynamic)
+            # Taken after capture: a model may register hooks on its first call (transformers' output capturing).
+            self._fingerprint = module_fingerprint(self._original)
         else:
             self._captures.move_to_end(key)
         self._last = self._captures[key]
@@ -208,12 +229,24 @@ class AmpModule(nn.Module):
 
     def _capture(self, args: tuple, kwargs: dict, dynamic: bool = False) -> Captured:
         timings = {}
-        with self.progress.phase(CAPTURE_PHASE, timings):
+        with (
+            self.progress.phase(CAPTURE_PHASE, timings),
+            marking_checkpoints(self._original, self.checkpoint),
+            noting_side_effect_hooks(self._original) as side_effect_hooks,
+        ):
             if self._regions is None:
                 captured = capture(self._original, args, kwargs, dynamic=dynamic)
             else:
                 with self._regions.capturing():
                     captured = capture(self._original, args, kwargs, self._regions.paths, dynamic=dynamic)
+        if side_effect_hooks:
+            warnings.warn(
+                f"{'; '.join(side_effect_hooks)} returned None while graphamp captured the model: what it does to "
+                f"forward's values is in the graph, but its other side effects (a list it appends to, a print) ran "
+                f"only during the capture. Register it on the AmpModule itself, or return what it records from "
+                f"forward.",
+                stacklevel=4,
+            )
         with self.progress.phase(CAST_PASS_PHASE, timings):
             captured.report = insert_casts(
                 captured.graph_module, self.amp_lists, self.level, self.fp32_outputs,
@@ -223,10 +256,11 @@ class AmpModule(nn.Module):
         if self._regions is not None:
             captured.run = self._regions.split(captured, self.compile, self.progress, timings)
             return captured
+        runnable = checkpointed(captured.graph_module)
         captured.run = (
-            CompiledGraph(captured.graph_module, self.progress, timings, is_dynamic(captured.graph_module))
+            CompiledGraph(runnable, self.progress, timings, is_dynamic(captured.graph_module))
             if self.compile
-            else captured.graph_module
+            else runnable
         )
         return captured
 
@@ -240,6 +274,21 @@ class AmpModule(nn.Module):
         if optimizer is None or not torch.is_grad_enabled():
             return None
         return optimizer._scale_in_graph(device_of(self._original))
+
+    def _apply(self, fn, recurse=True):
+        result = super()._apply(fn, recurse)
+        check_master_weights(self._original)  # `.to(torch.bfloat16)` / `.half()` get rewrite's check
+        return result
+
+    def __getstate__(self) -> dict:
+        """Copies (deepcopy, pickle, torch.save) drop the captured graphs: the copy recaptures on first use."""
+        state = dict(super().__getstate__())
+        state.update(_captures=OrderedDict(), _last=None, _fingerprint=None, _sizes_captured={})
+        return state
+
+    def __reduce_ex__(self, protocol):
+        # Amp<Original> is made at run time, so pickle finds it through the original's class, not by name.
+        return (_new_amp_module, (type(self._original),), self.__getstate__())
 
     def __getattr__(self, name):
         try:
@@ -261,6 +310,7 @@ _classes_looking_like: dict[type, type] = {}
 
 def _class_looking_like(original_class: type) -> type:
     """`Amp<Original>`: AmpModule first, then the original's class; its forward shows the original's signature."""
+    original_class = _users_class(original_class)
     cls = _classes_looking_like.get(original_class)
     if cls is not None:
         return cls
@@ -282,6 +332,20 @@ def _class_looking_like(original_class: type) -> type:
         cls = type(name, (AmpModule,), namespace)
     _classes_looking_like[original_class] = cls
     return cls
+
+
+def _users_class(cls: type) -> type:
+    """The model's own class under FSDP2's FSDP<Model>: FSDPModule's methods keep state per module, so they must
+    run on the original (through __getattr__), never on the AmpModule."""
+    fsdp_module = getattr(torch.distributed.fsdp, "FSDPModule", None) if torch.distributed.is_available() else None
+    while fsdp_module is not None and len(cls.__bases__) > 1 and cls.__bases__[0] is fsdp_module:
+        cls = cls.__bases__[1]
+    return cls
+
+
+def _new_amp_module(original_class: type) -> AmpModule:
+    """An empty AmpModule of the class made for `original_class`, for pickle to fill in."""
+    return object.__new__(_class_looking_like(original_class))
 
 
 def _save_pretrained(self, *args, **kwargs):
@@ -312,6 +376,7 @@ def rewrite(
     progress: bool | None = None,
     regions: str | list[str] | None = None,
     dynamic: bool | None = None,
+    checkpoint: str | None = None,
 ) -> AmpModule:
     """Capture `model` with torch.export and return an AmpModule that runs it in mixed precision.
 
@@ -333,6 +398,10 @@ def rewrite(
         dynamic: None — a signature's first capture is static, and a call differing only in sizes is captured
             once with dynamic dims, which serves every later size; True — dynamic dims from the first capture;
             False — one static capture per input shape. See docs/shapes_and_generation.md.
+        checkpoint: activation checkpointing of every submodule whose path matches this fnmatch pattern
+            ("transformer.h.*"): its activations are recomputed in backward instead of saved. Checkpointing the
+            model does itself (torch.utils.checkpoint, HF gradient_checkpointing_enable()) is kept without it.
+            See docs/module_contract.md.
 
     Returns:
         An AmpModule to train in place of `model`.
@@ -341,7 +410,10 @@ def rewrite(
         "rewrite", model, example_args, example_kwargs, amp_lists, level, compile
     )
     check_sharding(model, regions)
-    amp_model = AmpModule(model, amp_lists, level, compile, fp32_outputs, max_captures, progress, regions, dynamic)
+    matching_modules(model, checkpoint)  # a pattern that matches nothing fails before the capture
+    amp_model = AmpModule(
+        model, amp_lists, level, compile, fp32_outputs, max_captures, progress, regions, dynamic, checkpoint
+    )
     amp_model._captured_for(example_args, example_kwargs)
     return amp_model
 

@@ -25,3 +25,7 @@ class ExportError(GraphampError, RuntimeError):
 
 class DoubleAmpError(GraphampError, RuntimeError):
     """An AmpModule was called inside torch.autocast: two mixed-precision systems at once."""
+
+
+class HookError(GraphampError, RuntimeError):
+    """A module hook of a kind the rewritten graph cannot run (a backward hook on a submodule); says the fix."""

@@ -26,6 +26,12 @@ class Progress:
         self.stream = stream
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict:
+        return {"mode": self.mode, "stream": None}  # a lock cannot be copied or pickled; nor can a stream
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["mode"])
+
     def start(self, what: str) -> _Phase:
         return _Phase(self, what)
 

@@ -252,3 +252,17 @@ class BlockStack(nn.Module):
         for block in self.blocks:
             x = block(x)
         return F.cross_entropy(self.head(x).flatten(0, 1), labels.flatten())
+
+
+class TwoLayer(nn.Module):
+    """Linear, ReLU, Linear: the smallest model with submodules to swap and hook; `use_relu` is read in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.fc2 = nn.Linear(32, 4)
+        self.use_relu = True
+
+    def forward(self, x):
+        hidden = self.fc1(x)
+        return self.fc2(torch.relu(hidden) if self.use_relu else hidden)

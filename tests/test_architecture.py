@@ -86,7 +86,7 @@ class TwoLayers(nn.Module):
 
 
 def test_only_the_newest_capture_keeps_its_example_batch(bf16):
-    amp_model = graphamp.rewrite(TwoLayers(), (torch.randn(4, 8),), amp_lists=bf16)
+    amp_model = graphamp.rewrite(TwoLayers(), (torch.randn(4, 8),), amp_lists=bf16, dynamic=False)
     for batch in (3, 5, 6):
         amp_model(torch.randn(batch, 8))
     kept = [c for c in amp_model.captures if c.example_inputs is not None]
@@ -94,7 +94,7 @@ def test_only_the_newest_capture_keeps_its_example_batch(bf16):
 
 
 def test_export_of_an_older_capture_asks_for_inputs_and_takes_them(bf16, tmp_path):
-    amp_model = graphamp.rewrite(TwoLayers(), (torch.randn(4, 8),), amp_lists=bf16)
+    amp_model = graphamp.rewrite(TwoLayers(), (torch.randn(4, 8),), amp_lists=bf16, dynamic=False)
     amp_model(torch.randn(3, 8))
     amp_model(torch.randn(4, 8))  # the first capture again: it no longer holds its batch
     with pytest.raises(ValueError, match="pass example_args"):

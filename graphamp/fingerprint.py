@@ -1,0 +1,50 @@
+"""What a captured graph depends on in the module, as one cheap comparable value.
+
+A capture is a snapshot of the module tree: which submodule objects are where (and any in another mode than the root),
+which parameter and buffer objects they hold (with requires_grad and dtype), and which forward
+and backward hooks were registered (on each submodule, and globally). `AmpModule` compares this fingerprint
+on every call and recaptures when it changed, so an edit to the model is never run through an old graph.
+Python attributes read in forward (`self.use_relu`) are not in it: `AmpModule.recapture()` is for those.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.nn.modules import module as _module_globals
+
+__all__ = ["module_fingerprint"]
+
+
+def module_fingerprint(model: nn.Module) -> tuple:
+    """A tuple that changes whenever the module tree, a tensor it holds, or a hook registered on it changes.
+
+    Args:
+        model: the module whose captured graphs are checked.
+    """
+    parts: list = [_global_hook_keys()]
+    root_training = model.training
+    stack = [model]
+    while stack:  # model.modules() builds a memo set and names: several times slower on a 12-layer model
+        module = stack.pop()
+        if module is None:  # a child slot set to None
+            continue
+        stack.extend(module._modules.values())
+        # Hook dicts are keyed by a handle id that is never reused: their keys change on every add or remove.
+        parts.append((
+            # Against the root's mode: train()/eval() of the whole tree is the capture key's, not an edit.
+            id(module), module.training is root_training,
+            tuple(module._forward_pre_hooks), tuple(module._forward_hooks),
+            tuple(module._backward_pre_hooks), tuple(module._backward_hooks),
+        ))
+        for table in (module._parameters, module._buffers):
+            for tensor in table.values():
+                # A device move is in the capture key already; a wrong shape fails loudly in the graph.
+                parts.append(None if tensor is None else (id(tensor), tensor.requires_grad, tensor.dtype))
+    return tuple(parts)
+
+
+def _global_hook_keys() -> tuple:
+    return (
+        tuple(_module_globals._global_forward_pre_hooks), tuple(_module_globals._global_forward_hooks),
+        tuple(_module_globals._global_backward_pre_hooks), tuple(_module_globals._global_backward_hooks),
+    )
