@@ -19,3 +19,7 @@ class LossScalingError(GraphampError, RuntimeError):
 
 class ExportError(GraphampError, RuntimeError):
     """export() could not write one of its files (Graphviz missing or failing); the message says the fix."""
+
+
+class ArgumentError(GraphampError, TypeError, ValueError):
+    """An argument of a graphamp function has the wrong type or value; the message names it and the fix."""
