@@ -92,7 +92,7 @@ def _split_overload(entry: str) -> tuple[str, str | None]:
     return qualified, (overload if dot else None)
 
 
-def check_op_name(entry: str, where: str, unregistered: list[tuple[str, str, str]] | None = None) -> None:
+def check_op_name(entry: str, where: str, unregistered: list[tuple[str, str]] | None = None) -> None:
     """Raise ListFileError for an op torch does not know; warn for a custom op not registered yet.
 
     With `unregistered` given, a custom op not registered yet is appended to it (for one warning about them
@@ -102,7 +102,7 @@ def check_op_name(entry: str, where: str, unregistered: list[tuple[str, str, str
     schemas = torch._C._jit_get_schemas_for_operator(qualified)
     if not schemas:
         if not qualified.startswith("aten::"):
-            note = (entry, where, _namespace_hint(qualified))
+            note = (entry, where)
             if unregistered is None:
                 warn_unregistered([note], stacklevel=4)
             else:
@@ -122,25 +122,33 @@ def check_op_name(entry: str, where: str, unregistered: list[tuple[str, str, str
             )
 
 
-def _namespace_hint(qualified: str) -> str:
-    """'; did you mean ...' for a typo of an op registered in the same namespace (`mylib::fused_gelu`)."""
-    namespace = qualified.partition("::")[0] + "::"
-    registered = [name for name in _known_op_names() if name.startswith(namespace)]
-    close = difflib.get_close_matches(qualified, registered, n=3, cutoff=0.6)
-    return f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+def _namespace_hints(entries: list[str]) -> list[str]:
+    """'; did you mean ...' for each entry that is a typo of an op registered in its namespace, else ''."""
+    registered: dict[str, list[str]] = {}
+    for schema in torch._C._jit_get_all_schemas():  # read now: ops registered since the last lists count
+        registered.setdefault(schema.name.partition("::")[0], []).append(schema.name)
+    hints = []
+    for entry in entries:
+        qualified = _split_overload(entry)[0]
+        close = difflib.get_close_matches(qualified, registered.get(qualified.partition("::")[0], []), n=3)
+        hints.append(f"; did you mean {', '.join(repr(c) for c in close)}?" if close else "")
+    return hints
 
 
-def warn_unregistered(notes: list[tuple[str, str, str]], stacklevel: int = 3) -> None:
-    """One warning for the custom ops not registered yet, however many: (entry, where, hint) notes."""
+def warn_unregistered(unregistered: list[tuple[str, str]], stacklevel: int = 3) -> None:
+    """One warning for the custom ops not registered yet, however many: (entry, where) pairs; the likely
+    typos of registered ops come first, each with its suggestion."""
+    if not unregistered:
+        return
+    hints = _namespace_hints([entry for entry, _ in unregistered])
+    notes = sorted(((entry, where, hint) for (entry, where), hint in zip(unregistered, hints)), key=lambda n: not n[2])
     if len(notes) == 1:
-        (entry, where, hint), = notes
+        ((entry, where, hint),) = notes
         message = f"{where}: custom op '{entry}' is not registered (yet){hint}; it is kept"
-    elif notes:
+    else:
         shown = ", ".join(f"'{entry}' ({where}{hint})" for entry, where, hint in notes[:5])
         more = f" and {len(notes) - 5} more" if len(notes) > 5 else ""
         message = f"{len(notes)} custom ops are not registered (yet): {shown}{more}; they are kept"
-    else:
-        return
     warnings.warn(
         f"{message}, and apply once torch.library registers them before the model is rewritten.",
         stacklevel=stacklevel,
