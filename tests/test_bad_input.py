@@ -283,7 +283,7 @@ BAD_COMMANDS = [
     pytest.param(["export", "fine:make", "--out", "a_file"], 1, r"^error: a_file: is a file, not a folder",
                  id="export-out-is-a-file"),
     pytest.param(["export", "fine:make", "--out", "a_file/out"], 1,
-                 r"^error: a_file/out: cannot be created: a_file is a file", id="export-out-inside-a-file"),
+                 r"^error: a_file/out: cannot create the folder \(Not a directory\)", id="export-out-inside-a-file"),
     pytest.param(["export", "fine:make", "--out", "done"], 1,
                  r"^error: done/graph\.py: already exists; pass overwrite=True \(graphamp export --force\)",
                  id="export-over-an-earlier-export"),
@@ -339,4 +339,4 @@ def test_a_read_only_out_folder_is_an_error_line(tmp_path):
 
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
-    assert result.stderr.startswith("error: locked/out: cannot be created: locked is not writable")
+    assert result.stderr.startswith("error: locked/out: cannot create the folder (Permission denied)")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import difflib
 import json
-import os
 import re
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -99,14 +98,16 @@ def export(amp_model: AmpModule, out_dir, example_args=None, example_kwargs=None
 
 
 def check_out_dir(out: Path, overwrite: bool) -> None:
-    """Raise ExportError, before any work, for an out_dir that is a file or holds an earlier export."""
+    """Create out_dir, or raise ExportError before any work: it is a file, holds an earlier export, or cannot be
+    created."""
     if out.exists() and not out.is_dir():
         raise ExportError(f"{out}: is a file, not a folder; pass a folder for the export (created if missing).")
-    ancestor = next(folder for folder in (out, *out.parents) if folder.exists() or folder == Path(folder.anchor))
-    if ancestor != out and not ancestor.is_dir():
-        raise ExportError(f"{out}: cannot be created: {ancestor} is a file; pass a folder for the export.")
-    if not os.access(ancestor, os.W_OK):
-        raise ExportError(f"{out}: cannot be created: {ancestor} is not writable; pass a folder you can write to.")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ExportError(
+            f"{out}: cannot create the folder ({error.strerror}); pass a folder you can write to."
+        ) from error
     existing = [name for name in FILES if (out / name).exists()]
     if existing and not overwrite:
         raise ExportError(
