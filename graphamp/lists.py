@@ -141,7 +141,8 @@ def warn_unregistered(unregistered: list[tuple[str, str]], stacklevel: int = 3) 
     if not unregistered:
         return
     hints = _namespace_hints([entry for entry, _ in unregistered])
-    notes = sorted(((entry, where, hint) for (entry, where), hint in zip(unregistered, hints)), key=lambda n: not n[2])
+    notes = [(entry, where, hint) for (entry, where), hint in zip(unregistered, hints)]
+    notes.sort(key=lambda note: not note[2])  # the likely typos first
     if len(notes) == 1:
         ((entry, where, hint),) = notes
         message = f"{where}: custom op '{entry}' is not registered (yet){hint}; it is kept"
@@ -256,7 +257,8 @@ class AutoMixedPrecisionLists:
     def warn_unmatched_black_modules(self, model: torch.nn.Module) -> None:
         """Warn for each black-module pattern that matches no module of `model`, naming the closest paths:
         the user believes those ops run in FP32 while they run low."""
-        paths = [name for name, _ in model.named_modules() if name]
+        # remove_duplicate=False: a module shared under two names answers to both
+        paths = [name for name, _ in model.named_modules(remove_duplicate=False) if name]
         for pattern in self.black_modules:
             if not any(fnmatch.fnmatchcase(path, pattern.name) for path in paths):
                 close = difflib.get_close_matches(pattern.name, paths, n=3, cutoff=0.5)

@@ -92,8 +92,8 @@ BAD_CALLS = [
                  r"example_kwargs as a list; pass a dict", id="example_kwargs-a-list"),
     pytest.param(lambda tmp: graphamp.rewrite(nn.Linear(4, 4), (x(),), max_captures=0), ArgumentError,
                  r"max_captures=0: pass a whole number of cached captures, at least 1", id="max_captures-0"),
-    pytest.param(lambda tmp: graphamp.doctor(nn.Linear(4, 4), (x(),), amp_lists=bf16_lists(), loss_scaling=math.nan),
-                 ArgumentError, r"loss_scaling=nan: pass a positive finite number", id="doctor-loss_scaling-nan"),
+    pytest.param(lambda tmp: graphamp.doctor(nn.Linear(4, 4), (x(),), amp_lists=bf16_lists(),
+                                             loss_scaling=math.nan), ArgumentError, r"loss_scaling=nan: pass a positive finite number", id="doctor-loss_scaling-nan"),
     # lists folders from Python, checked as `graphamp check-lists` checks them
     pytest.param(lists_folder(), ListFileError, r"holds none of white\.txt, black\.txt, gray\.txt, "
                  r"black_modules\.txt", id="lists_dir-without-list-files"),

@@ -93,7 +93,9 @@ def export(amp_model: AmpModule, out_dir, example_args=None, example_kwargs=None
         for name, text in texts.items():
             (out / name).write_text(text, encoding="utf-8")
     except OSError as error:
-        raise ExportError(f"{out}: cannot write the export there ({error}); pass a folder you can write to.") from error
+        raise ExportError(
+            f"{out}: cannot write the export there ({error}); pass a folder you can write to."
+        ) from error
     return out
 
 
