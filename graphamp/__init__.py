@@ -13,7 +13,8 @@ from graphamp.cast_pass import RewriteReport
 from graphamp.diagnosis.auto_lists import AutoListsResult, auto_mixed_precision
 from graphamp.diagnosis.diagnose import DoctorReport, doctor
 from graphamp.errors import (
-    CaptureError, DoubleAmpError, ExportError, GraphampError, HookError, ListFileError, LossScalingError,
+    ArgumentError, CaptureError, DoubleAmpError, ExportError, GraphampError, HookError, ListFileError,
+    LossScalingError,
 )
 from graphamp.inspection.export_files import export
 from graphamp.lists import AutoMixedPrecisionLists, Decision
@@ -24,6 +25,7 @@ _renamed.install()
 
 __all__ = [
     "AmpModule",
+    "ArgumentError",
     "AutoListsResult",
     "AutoMixedPrecisionLists",
     "CaptureError",

@@ -24,7 +24,7 @@ from graphamp.cast_pass import RewriteReport, check_level, insert_casts
 from graphamp.checkpointing import checkpointed, marking_checkpoints, matching_modules
 from graphamp.compiled import CompiledGraph
 from graphamp.dtypes import HALF_DTYPES, check_dtype_runs_on, dtype_name
-from graphamp.errors import DoubleAmpError
+from graphamp.errors import ArgumentError, DoubleAmpError
 from graphamp.in_graph_scaling import register_parameters, run_scaled
 from graphamp.generation import generate
 from graphamp.fingerprint import module_fingerprint
@@ -409,6 +409,7 @@ def rewrite(
     example_args, example_kwargs, amp_lists = check_entry_arguments(
         "rewrite", model, example_args, example_kwargs, amp_lists, level, compile
     )
+    check_max_captures(max_captures)
     check_sharding(model, regions)
     matching_modules(model, checkpoint)  # a pattern that matches nothing fails before the capture
     amp_model = AmpModule(
@@ -430,12 +431,43 @@ def check_entry_arguments(
     if not isinstance(model, nn.Module):
         raise TypeError(f"{entry_point}() takes an nn.Module, got {type(model).__name__}.")
     check_level(level)
+    check_argument_types(entry_point, example_args, example_kwargs, amp_lists)
     amp_lists = amp_lists if amp_lists is not None else AutoMixedPrecisionLists()
     check_master_weights(model)
     check_dtype_runs_on(device_of(model), amp_lists.dtype, compile)
+    amp_lists.warn_unmatched_black_modules(model)
     if not isinstance(example_args, tuple):
         example_args = (example_args,)
     return example_args, dict(example_kwargs or {}), amp_lists
+
+
+def check_argument_types(entry_point: str, example_args, example_kwargs, amp_lists) -> None:
+    """Raise ArgumentError for arguments of the wrong kind, before they fail deep inside capture."""
+    if amp_lists is not None and not isinstance(amp_lists, AutoMixedPrecisionLists):
+        dtype = f"dtype={amp_lists!r}" if isinstance(amp_lists, (str, torch.dtype)) else "..."
+        raise ArgumentError(
+            f"{entry_point}(amp_lists=...) got a {type(amp_lists).__name__}; "
+            f"pass graphamp.AutoMixedPrecisionLists({dtype})."
+        )
+    if isinstance(example_args, list):
+        raise ArgumentError(
+            f"{entry_point}() got example_args as a list; the positional arguments are a tuple: (x,) or (x, y). "
+            f"For a model whose one argument is a list, pass ([x, y],)."
+        )
+    if example_kwargs is not None and not isinstance(example_kwargs, dict):
+        raise ArgumentError(
+            f"{entry_point}() got example_kwargs as a {type(example_kwargs).__name__}; pass a dict of keyword "
+            f"arguments, e.g. {{'attention_mask': mask}}."
+        )
+
+
+def check_max_captures(max_captures) -> None:
+    """max_captures below 1 would drop every capture as soon as it is made: each call would recapture."""
+    if isinstance(max_captures, bool) or not isinstance(max_captures, int) or max_captures < 1:
+        raise ArgumentError(
+            f"max_captures={max_captures!r}: pass a whole number of cached captures, at least 1 (default "
+            f"{DEFAULT_MAX_CAPTURES})."
+        )
 
 
 def device_of(model: nn.Module):

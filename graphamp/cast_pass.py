@@ -11,8 +11,9 @@ a reshape's cast is the reshape of its input's cast.
 
 from __future__ import annotations
 
+import logging
 import operator
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -258,7 +259,8 @@ class _CastPass:
     def _promotes_to_fp32(self, node: Node) -> bool:
         """Whether torch's type promotion runs this op in FP32 on its mixed inputs as they are."""
         try:
-            result = self._run_on_fake_values(node)
+            with _fake_tensor_errors_unlogged():
+                result = self._run_on_fake_values(node)
         except Exception:  # the op wants matching dtypes: cast explicitly
             return False
         floats = [t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor) and t.is_floating_point()]
@@ -275,6 +277,19 @@ class _CastPass:
         args, kwargs = map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
         with self.fake_mode:
             return node.target(*args, **kwargs)
+
+
+@contextmanager
+def _fake_tensor_errors_unlogged():
+    """FakeTensorMode logs an ERROR traceback when an op refuses mixed dtypes (aten.dot, spectral_norm's
+    vdot) before raising; the probe expects that refusal, so the log would only alarm the user."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    disabled = logger.disabled
+    logger.disabled = True
+    try:
+        yield
+    finally:
+        logger.disabled = disabled
 
 
 def _dtype_signature(value):

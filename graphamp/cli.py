@@ -3,6 +3,7 @@ diagnose its numerics (doctor).
 
 Each subcommand is one `_add_<name>(subcommands)` function that declares its arguments and the function
 that runs it; `main` lists them. Exit status: 0 done, 1 the work failed (the message says why), 2 usage.
+A failure prints one `error:` line, never a traceback; `--debug` prints the traceback too.
 """
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import math
 import os
 import sys
+import traceback
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,9 +23,9 @@ from torch import nn
 
 from graphamp.diagnosis.auto_lists import auto_mixed_precision
 from graphamp.diagnosis.diagnose import doctor, format_report
-from graphamp.errors import GraphampError, ListFileError
-from graphamp.inspection.export_files import FILES, export
-from graphamp.list_files import LIST_FILES
+from graphamp.diagnosis.list_writer import refuse_to_overwrite
+from graphamp.errors import GraphampError
+from graphamp.inspection.export_files import FILES, check_out_dir, export
 from graphamp.lists import COLORS, AutoMixedPrecisionLists
 from graphamp.amp_module import rewrite
 
@@ -38,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         "and diagnose a model's numerics.",
         epilog="Run `graphamp COMMAND --help` for what each command does, with an example.",
     )
+    parser.add_argument("--debug", action="store_true", help="print the traceback of an error, too")
     subcommands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_lists(subcommands)
     _add_check_lists(subcommands)
@@ -46,19 +50,34 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.run(args, parser)
-    except GraphampError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 1
     except BrokenPipeError:  # `graphamp lists | head` stopped reading: not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except Exception as error:  # a user's model or file can fail in any way: one line, the traceback on demand
+        if args.debug:
+            traceback.print_exc()
+        print(f"error: {_one_line_error(error)}", file=sys.stderr)
+        if not args.debug and (error.__cause__ is not None or not isinstance(error, GraphampError)):
+            print("(run with --debug for the traceback)", file=sys.stderr)
+        return 1
+
+
+def _one_line_error(error: Exception) -> str:
+    """graphamp's own errors say the fix already; any other is named by its type."""
+    if isinstance(error, GraphampError):
+        return str(error)
+    return f"{type(error).__name__}: {error}"
 
 
 def _subcommand(subcommands, name: str, summary: str, description: str, example: str):
-    return subcommands.add_parser(
+    command = subcommands.add_parser(
         name, help=summary, description=f"{summary}\n\n{description}", epilog=f"example:\n  {example}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    # also after the command name; SUPPRESS keeps a `graphamp --debug COMMAND` from being reset
+    command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                         help="print the traceback of an error, too")
+    return command
 
 
 # -- graphamp lists --------------------------------------------------------------------------------------------
@@ -98,8 +117,6 @@ def _add_check_lists(subcommands) -> None:
 
 def _check_lists(args, parser) -> int:
     folder = Path(args.folder)
-    if folder.is_dir():
-        _check_file_names(folder)
     counts = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -110,21 +127,6 @@ def _check_lists(args, parser) -> int:
         print(f"warning: {warning.message}", file=sys.stderr)
     print(f"{folder}: OK ({'; '.join(counts)})")
     return 0
-
-
-def _check_file_names(folder: Path) -> None:
-    """A misnamed list file would be silently ignored: name it, and the file it was probably meant to be."""
-    present = sorted(p.name for p in folder.glob("*.txt"))
-    for name in present:
-        if name not in LIST_FILES:
-            close = difflib.get_close_matches(name.lower(), LIST_FILES, n=1, cutoff=0.6)
-            if close:
-                raise ListFileError(f"{folder / name}: graphamp does not read this file; did you mean {close[0]}?")
-    if not set(present) & set(LIST_FILES):
-        raise ListFileError(
-            f"{folder}: holds none of {', '.join(LIST_FILES)}; a lists folder replaces the shipped lists, "
-            f"so it would leave every op unlisted. Copy graphamp's lists/ folder and edit it."
-        )
 
 
 # -- graphamp export -------------------------------------------------------------------------------------------
@@ -140,15 +142,17 @@ def _add_export(subcommands) -> None:
     )
     _add_model_arguments(command)
     command.add_argument("--out", metavar="DIR", required=True, help="the folder to write (created if missing)")
+    command.add_argument("--force", action="store_true", help="replace the files of an earlier export in --out")
     command.set_defaults(run=_export)
 
 
 def _export(args, parser) -> int:
-    model, example_args, example_kwargs = _factory_call(args, parser)
+    check_out_dir(Path(args.out), args.force)
     lists = AutoMixedPrecisionLists(dtype=args.dtype, lists_dir=args.lists)
+    model, example_args, example_kwargs = _factory_call(args, parser)
     with _checks_named(args.factory):
         amp_model = rewrite(model, example_args, example_kwargs, amp_lists=lists, level=args.level)
-    out = export(amp_model, args.out)
+    out = export(amp_model, args.out, overwrite=args.force)
     print(amp_model.report)
     print(f"wrote {out}/: {' '.join(FILES)}")
     return 0
@@ -170,20 +174,48 @@ def _add_doctor(subcommands) -> None:
     _add_model_arguments(command)
     command.add_argument("--out", metavar="DIR", default="graphamp_doctor",
                          help="the report folder (default graphamp_doctor)")
-    command.add_argument("--steps", type=int, default=1, help="runs to measure, the worst kept (default 1)")
-    command.add_argument("--loss-scaling", type=float, default=1.0, metavar="S",
+    command.add_argument("--steps", type=_count(1), default=1, help="runs to measure, the worst kept (default 1)")
+    command.add_argument("--loss-scaling", type=_positive_number, default=1.0, metavar="S",
                          help="multiply the loss by S before backward, as a loss scaler would (default 1)")
-    command.add_argument("--top", type=int, default=10, metavar="N", help="offenders to print (default 10)")
+    command.add_argument("--top", type=_count(0), default=10, metavar="N", help="offenders to print (default 10)")
     command.add_argument("--apply", metavar="DIR", help="write a lists folder with the suggested fixes applied")
     command.add_argument("--speedups", action="store_true", help="with --apply: also move the white candidates")
-    command.add_argument("--auto", type=float, metavar="TOL",
+    command.add_argument("--auto", type=_positive_number, metavar="TOL",
                          help="search lists with the loss's relative error within TOL; written to OUT/auto_lists")
     command.set_defaults(run=_doctor)
 
 
+def _positive_number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive finite number (e.g. 1024 or 0.01)")
+    return value
+
+
+def _count(least: int):
+    def count(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = least - 1
+        if value < least:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least {least}")
+        return value
+
+    count.__name__ = "count"  # argparse names the type in its message
+    return count
+
+
 def _doctor(args, parser) -> int:
-    model, example_args, example_kwargs = _factory_call(args, parser)
     lists = AutoMixedPrecisionLists(dtype=args.dtype, lists_dir=args.lists)
+    if Path(args.out).is_file():
+        raise GraphampError(f"{args.out}: is a file; pass --out a folder for the reports (created if missing).")
+    if args.apply:  # checked now, not after the whole diagnosis ran
+        refuse_to_overwrite(Path(args.apply), lists, overwrite=False)
+    model, example_args, example_kwargs = _factory_call(args, parser)
     with _checks_named(args.factory):
         report = doctor(model, example_args, example_kwargs, lists, args.steps, args.level,
                         loss_scaling=args.loss_scaling)
@@ -235,10 +267,14 @@ def _call_factory(module_name: str, factory_name: str):
     sys.path.insert(0, here)  # `graphamp export my_models:f` finds my_models.py here, as `python -m` would
     try:
         module = importlib.import_module(module_name)
-    except ImportError as error:
+    except ModuleNotFoundError as error:
+        if error.name is None or not (module_name == error.name or module_name.startswith(error.name + ".")):
+            raise _import_failed(spec, module_name, error) from error
         raise GraphampError(
             f"{spec}: cannot import {module_name!r} ({error}); run from the folder that holds it."
         ) from error
+    except Exception as error:  # the module itself fails: a syntax error, a failing import inside, ...
+        raise _import_failed(spec, module_name, error) from error
     finally:
         sys.path.remove(here)
     factory = getattr(module, factory_name, None)
@@ -251,7 +287,12 @@ def _call_factory(module_name: str, factory_name: str):
         raise GraphampError(
             f"{spec}: {module_name}.{factory_name} is of type {type(factory).__name__}; FACTORY must be a function."
         )
-    result = factory()
+    try:
+        result = factory()
+    except Exception as error:
+        raise GraphampError(
+            f"{spec}: {factory_name}() raised {type(error).__name__}: {error}"
+        ) from error
     if not (isinstance(result, tuple) and len(result) in (2, 3) and isinstance(result[0], nn.Module)):
         if isinstance(result, tuple):
             got = f"({', '.join(type(item).__name__ for item in result)})"
@@ -266,6 +307,11 @@ def _call_factory(module_name: str, factory_name: str):
     if not isinstance(example_kwargs, dict):
         raise GraphampError(f"{spec} returned example_kwargs of type {type(example_kwargs).__name__}; return a dict.")
     return model, example_args, example_kwargs
+
+
+def _import_failed(spec: str, module_name: str, error: Exception) -> GraphampError:
+    """The module was found, but running it failed: say what failed, not where to run from."""
+    return GraphampError(f"{spec}: importing {module_name} failed: {type(error).__name__}: {error}")
 
 
 if __name__ == "__main__":

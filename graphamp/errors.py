@@ -1,6 +1,9 @@
 """The typed errors graphamp raises: each names the file, line or op at fault and says the fix."""
 
-__all__ = ["CaptureError", "ExportError", "GraphampError", "ListFileError", "LossScalingError"]
+__all__ = [
+    "ArgumentError", "CaptureError", "DoubleAmpError", "ExportError", "GraphampError", "HookError", "ListFileError",
+    "LossScalingError",
+]
 
 
 class GraphampError(Exception):
@@ -29,3 +32,7 @@ class DoubleAmpError(GraphampError, RuntimeError):
 
 class HookError(GraphampError, RuntimeError):
     """A module hook of a kind the rewritten graph cannot run (a backward hook on a submodule); says the fix."""
+
+
+class ArgumentError(GraphampError, TypeError, ValueError):
+    """An argument of a graphamp function has the wrong type or value; the message names it and the fix."""

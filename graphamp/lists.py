@@ -12,6 +12,7 @@ import enum
 import fnmatch
 import functools
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +20,10 @@ import torch
 
 from graphamp.dtypes import dtype_name, resolve_dtype
 from graphamp.errors import ListFileError
-from graphamp.list_files import BLACK_MODULES_FILE, OP_LIST_FILES, default_lists_dir, read_list_file
+from graphamp.list_files import (
+    BLACK_MODULES_FILE, OP_LIST_FILES, check_lists_folder, check_visible, default_lists_dir, read_list_entries,
+    read_list_file,
+)
 
 __all__ = ["AutoMixedPrecisionLists", "COLORS", "Decision", "ListEntry"]
 
@@ -60,8 +64,18 @@ def _known_op_names() -> tuple[str, ...]:
 
 
 def canonical_op_name(name: str) -> str:
-    """`aten::add.Tensor` and `add.Tensor` are the same entry; aten is the default namespace."""
-    name = name.strip()
+    """`aten::add.Tensor` and `add.Tensor` are the same entry; aten is the default namespace.
+
+    The spellings `node.target` prints are accepted too: `aten.gelu.default` and `torch.ops.aten.gelu.default`
+    are `gelu.default`, `mylib.fused_gelu.default` is `mylib::fused_gelu.default`, `aten.gelu` is `gelu`.
+    """
+    name = name.strip().removeprefix("torch.ops.")
+    if "::" not in name:
+        parts = name.split(".")
+        if len(parts) == 3:
+            name = f"{parts[0]}::{parts[1]}.{parts[2]}"
+        elif len(parts) == 2 and parts[0] == "aten":
+            name = parts[1]
     return name.removeprefix("aten::")
 
 
@@ -78,17 +92,21 @@ def _split_overload(entry: str) -> tuple[str, str | None]:
     return qualified, (overload if dot else None)
 
 
-def check_op_name(entry: str, where: str) -> None:
-    """Raise ListFileError for an op torch does not know; warn for a custom op not registered yet."""
+def check_op_name(entry: str, where: str, unregistered: list[tuple[str, str]] | None = None) -> None:
+    """Raise ListFileError for an op torch does not know; warn for a custom op not registered yet.
+
+    With `unregistered` given, a custom op not registered yet is appended to it (for one warning about them
+    all, see warn_unregistered) instead of warned about.
+    """
     qualified, overload = _split_overload(entry)
     schemas = torch._C._jit_get_schemas_for_operator(qualified)
     if not schemas:
         if not qualified.startswith("aten::"):
-            warnings.warn(
-                f"{where}: custom op '{entry}' is not registered (yet); it is kept, and applies once "
-                f"torch.library registers it before the model is rewritten.",
-                stacklevel=3,
-            )
+            note = (entry, where)
+            if unregistered is None:
+                warn_unregistered([note], stacklevel=4)
+            else:
+                unregistered.append(note)
             return
         close = difflib.get_close_matches(entry.partition(".")[0], _known_op_names(), n=3, cutoff=0.6)
         hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
@@ -102,6 +120,50 @@ def check_op_name(entry: str, where: str) -> None:
                 f"Known overloads: {', '.join(sorted(overloads))}"
                 + (f"; did you mean '{close[0]}'?" if close else ".")
             )
+
+
+def _namespace_hints(entries: list[str]) -> list[str]:
+    """'; did you mean ...' for each entry that is a typo of an op registered in its namespace, else ''."""
+    registered: dict[str, list[str]] = {}
+    for schema in torch._C._jit_get_all_schemas():  # read now: ops registered since the last lists count
+        registered.setdefault(schema.name.partition("::")[0], []).append(schema.name)
+    hints = []
+    for entry in entries:
+        qualified = _split_overload(entry)[0]
+        close = difflib.get_close_matches(qualified, registered.get(qualified.partition("::")[0], []), n=3)
+        hints.append(f"; did you mean {', '.join(repr(c) for c in close)}?" if close else "")
+    return hints
+
+
+def warn_unregistered(unregistered: list[tuple[str, str]], stacklevel: int = 3) -> None:
+    """One warning for the custom ops not registered yet, however many: (entry, where) pairs; the likely
+    typos of registered ops come first, each with its suggestion."""
+    if not unregistered:
+        return
+    hints = _namespace_hints([entry for entry, _ in unregistered])
+    notes = [(entry, where, hint) for (entry, where), hint in zip(unregistered, hints)]
+    notes.sort(key=lambda note: not note[2])  # the likely typos first
+    if len(notes) == 1:
+        ((entry, where, hint),) = notes
+        message = f"{where}: custom op '{entry}' is not registered (yet){hint}; it is kept"
+    else:
+        shown = ", ".join(f"'{entry}' ({where}{hint})" for entry, where, hint in notes[:5])
+        more = f" and {len(notes) - 5} more" if len(notes) > 5 else ""
+        message = f"{len(notes)} custom ops are not registered (yet): {shown}{more}; they are kept"
+    warnings.warn(
+        f"{message}, and apply once torch.library registers them before the model is rewritten.",
+        stacklevel=stacklevel,
+    )
+
+
+def check_module_pattern(pattern: str, where: str) -> None:
+    """Raise ListFileError for a glob fnmatch would read as a literal: a '[' no ']' closes matches no module."""
+    opened = pattern.find("[")
+    if opened != -1 and "]" not in pattern[opened + 2:]:
+        raise ListFileError(
+            f"{where}: '{pattern}' is not a valid glob: its '[' opens a character set no ']' closes, and module "
+            f"paths hold no '['; close the set (layers.[01]) or drop the '['."
+        )
 
 
 class AutoMixedPrecisionLists:
@@ -132,16 +194,18 @@ class AutoMixedPrecisionLists:
     ):
         self.dtype = resolve_dtype(dtype)
         self.lists_dir = Path(lists_dir) if lists_dir is not None else default_lists_dir()
-        if not self.lists_dir.is_dir():
-            raise ListFileError(f"{self.lists_dir}: lists_dir is not a folder of white.txt/black.txt/gray.txt.")
+        if lists_dir is not None:
+            check_lists_folder(self.lists_dir)
         self._entries: dict[str, ListEntry] = {}
-        self._read_default_files()
+        unregistered: list[str] = []
+        self._read_default_files(unregistered)
         # Kept as given (canonical names), so that with_changes() and the list writer can build on them.
         self.custom_lists = {
             color: tuple(canonical_op_name(op) for op in _as_names(ops, f"custom_{color}_list"))
             for color, ops in ((WHITE, custom_white_list), (BLACK, custom_black_list), (GRAY, custom_gray_list))
         }
-        self._apply_custom_lists(self.custom_lists)
+        self._apply_custom_lists(self.custom_lists, unregistered)
+        warn_unregistered(unregistered)
         self.black_modules = self._read_black_modules(custom_black_modules)
         self.custom_black_modules = tuple(_as_names(custom_black_modules, "custom_black_modules"))
 
@@ -150,16 +214,18 @@ class AutoMixedPrecisionLists:
         """`lists/white.txt` for the shipped files, the path as given for a user's folder."""
         return f"lists/{path.name}" if self.lists_dir == default_lists_dir() else str(path)
 
-    def _read_default_files(self) -> None:
+    def _read_default_files(self, unregistered: list[str]) -> None:
         for color in COLORS:
             path = self.lists_dir / OP_LIST_FILES[color]
             if not path.exists():
                 if self.lists_dir == default_lists_dir():
                     raise ListFileError(f"{path}: the shipped list file is missing; reinstall graphamp.")
                 continue  # a user's folder may leave a color empty
-            for entry, where in read_list_file(path, self.dtype, self._display(path)):
+            for entry, where, section_dtype in read_list_entries(path, self._display(path)):
                 name = canonical_op_name(entry)
-                check_op_name(name, where)
+                check_op_name(name, where, unregistered)  # every section's, so a typo shows whatever the dtype
+                if section_dtype not in (None, self.dtype):
+                    continue
                 earlier = self._entries.get(name)
                 if earlier is not None:
                     raise ListFileError(
@@ -168,7 +234,7 @@ class AutoMixedPrecisionLists:
                     )
                 self._entries[name] = ListEntry(name, color, where)
 
-    def _apply_custom_lists(self, custom: dict[str, tuple[str, ...]]) -> None:
+    def _apply_custom_lists(self, custom: dict[str, tuple[str, ...]], unregistered: list[str]) -> None:
         owners: dict[str, str] = {}
         for color, names in custom.items():
             for name in names:
@@ -179,7 +245,7 @@ class AutoMixedPrecisionLists:
                     )
                 owners[name] = color
         for name, color in owners.items():
-            check_op_name(name, f"custom_{color}_list")
+            check_op_name(name, f"custom_{color}_list", unregistered)
             # A custom packet entry ('add') takes all its overloads ('add.Tensor') away from other lists.
             for other in [n for n in self._entries if n == name or n.startswith(name + ".")]:
                 del self._entries[other]
@@ -193,7 +259,24 @@ class AutoMixedPrecisionLists:
                 patterns.append(ListEntry(entry, BLACK, where))
         for pattern in _as_names(custom_black_modules, "custom_black_modules"):
             patterns.append(ListEntry(pattern, BLACK, f"custom_black_modules: {pattern}"))
+        for pattern in patterns:
+            check_module_pattern(pattern.name, pattern.source)
         return tuple(patterns)
+
+    def warn_unmatched_black_modules(self, model: torch.nn.Module) -> None:
+        """Warn for each black-module pattern that matches no module of `model`, naming the closest paths:
+        the user believes those ops run in FP32 while they run low."""
+        # remove_duplicate=False: a module shared under two names answers to both
+        paths = [name for name, _ in model.named_modules(remove_duplicate=False) if name]
+        for pattern in self.black_modules:
+            if not any(fnmatch.fnmatchcase(path, pattern.name) for path in paths):
+                close = difflib.get_close_matches(pattern.name, paths, n=3, cutoff=0.5)
+                hint = f"closest module paths: {', '.join(close)}" if close else "see model.named_modules()"
+                warnings.warn(
+                    f"{pattern.source}: black-module pattern '{pattern.name}' matches no module of "
+                    f"{type(model).__name__}, so it keeps nothing in FP32; {hint}.",
+                    stacklevel=4,
+                )
 
     def with_changes(self, white=(), black=(), black_modules=()) -> AutoMixedPrecisionLists:
         """These lists with more custom entries: `white`/`black` ops (taken off any other custom list) and
@@ -277,9 +360,15 @@ def _as_names(values, argument: str) -> list[str]:
         return []
     if isinstance(values, str):
         values = [values]
+    if not isinstance(values, Iterable):
+        raise ListFileError(
+            f"{argument}={values!r}: pass a list of names like ['linear', 'mylib::op'], not a "
+            f"{type(values).__name__}."
+        )
     names = []
     for value in values:
         if not isinstance(value, str) or not value.strip():
             raise ListFileError(f"{argument}: {value!r} is not an op name; pass names like 'linear' or 'mylib::op'.")
+        check_visible(value, argument)
         names.append(value.strip())
     return names

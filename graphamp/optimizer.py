@@ -62,6 +62,12 @@ def decorate(
     if len({id(opt) for opt in optimizers}) != len(optimizers):
         raise LossScalingError("decorate() got the same optimizer twice: pass each optimizer once.")
 
+    if amp_lists is not None and not hasattr(amp_lists, "dtype"):
+        dtype = f"dtype={amp_lists!r}" if isinstance(amp_lists, (str, torch.dtype)) else "..."
+        raise LossScalingError(
+            f"decorate(amp_lists=...) got a {type(amp_lists).__name__}; pass the "
+            f"graphamp.AutoMixedPrecisionLists({dtype}) the model was rewritten with."
+        )
     try:
         dtype = torch.float16 if amp_lists is None else resolve_dtype(amp_lists.dtype)
     except ValueError as error:

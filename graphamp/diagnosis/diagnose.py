@@ -20,6 +20,7 @@ from graphamp.diagnosis.doctor_page import render_doctor_page
 from graphamp.inspection.html_page import format_number
 from graphamp.diagnosis.list_writer import write_lists
 from graphamp.dtypes import dtype_name
+from graphamp.errors import ArgumentError
 from graphamp.lists import AutoMixedPrecisionLists
 from graphamp.diagnosis.numerics import relative_error
 from graphamp.diagnosis.probe import NodeNumerics, Probe
@@ -160,6 +161,8 @@ def doctor(
     )
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps={steps!r}: pass a positive number of runs to measure.")
+    if not (isinstance(loss_scaling, (int, float)) and math.isfinite(loss_scaling) and loss_scaling > 0):
+        raise ArgumentError(f"loss_scaling={loss_scaling!r}: pass a positive finite number, e.g. 1024.0.")
     probe = Probe(model, example_args, example_kwargs, amp_lists.dtype, level, loss_fn, loss_scaling)
     report = None
     for step in range(steps):

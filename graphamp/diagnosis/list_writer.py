@@ -43,7 +43,7 @@ def write_lists(
     other = next(d for d in HALF_DTYPES if d != diagnosed)
     changes = _checked_changes(op_changes or {})
     new_modules = [(_checked_pattern(pattern), reason) for pattern, reason in black_modules]
-    _refuse_to_overwrite(folder, amp_lists, overwrite)
+    refuse_to_overwrite(folder, amp_lists, overwrite)
     # The other dtype's lists come from the same folder and custom lists, rebuilt for that dtype.
     other_lists = AutoMixedPrecisionLists(
         custom_white_list=amp_lists.custom_lists[WHITE], custom_black_list=amp_lists.custom_lists[BLACK],
@@ -116,7 +116,9 @@ def _one_line(reason: str) -> str:
     return " ".join(str(reason).split())
 
 
-def _refuse_to_overwrite(folder: Path, amp_lists: AutoMixedPrecisionLists, overwrite: bool) -> None:
+def refuse_to_overwrite(folder: Path, amp_lists: AutoMixedPrecisionLists, overwrite: bool) -> None:
+    """Raise ListFileError for a folder the lists may not be written to: the shipped or the read lists, a file,
+    or (without overwrite) a folder already holding list files."""
     target = folder.resolve()
     for protected, what in ((default_lists_dir(), "graphamp's shipped lists"), (amp_lists.lists_dir, "the lists read")):
         if target == Path(protected).resolve():

@@ -22,6 +22,7 @@ from torch.fx import GraphModule, Node
 
 from graphamp.cast_pass import node_dtype
 from graphamp.dtypes import dtype_name
+from graphamp.errors import ExportError
 from graphamp.lists import Decision, op_lookup_keys
 from graphamp.amp_module import AmpModule
 from graphamp.inspection.graph_picture import render_svg
@@ -33,7 +34,7 @@ __all__ = ["FILES", "export"]
 FILES = ("graph.py", "graph.json", "graph.svg", "report.html", "diff.txt")
 
 
-def export(amp_model: AmpModule, out_dir, example_args=None, example_kwargs=None) -> Path:
+def export(amp_model: AmpModule, out_dir, example_args=None, example_kwargs=None, overwrite: bool = False) -> Path:
     """Write graph.py, graph.json, graph.svg, report.html and diff.txt for the graph `amp_model` last ran.
 
     report.html reruns the model once through graphamp and once under torch.autocast, to count the casts each
@@ -45,6 +46,7 @@ def export(amp_model: AmpModule, out_dir, example_args=None, example_kwargs=None
         example_args, example_kwargs: a call of the model for the reruns, with the shapes of the graph last
             run. Default: the inputs that graph was captured on, which an AmpModule keeps for its newest
             capture only (so that its cache holds no more than one batch).
+        overwrite: replace the files of an earlier export in `out_dir`; without it they are an ExportError.
 
     Returns:
         The folder.
@@ -53,6 +55,8 @@ def export(amp_model: AmpModule, out_dir, example_args=None, example_kwargs=None
         raise TypeError(
             f"export() takes the AmpModule that graphamp.rewrite() returns, got {type(amp_model).__name__}."
         )
+    out = Path(out_dir)
+    check_out_dir(out, overwrite)
     captured = next(c for c in amp_model.captures if c.graph_module is amp_model.graph_module)
     if example_args is not None or example_kwargs is not None:
         args = example_args if isinstance(example_args, tuple) else (() if example_args is None else (example_args,))
@@ -78,15 +82,42 @@ def export(amp_model: AmpModule, out_dir, example_args=None, example_kwargs=None
     lifted = captured.graph_module.graph.find_nodes(op="placeholder")[: len(captured.lifted)]
     svg = render_svg(graphs, records, lifted, captured.parameter_placeholders, _title(summary))
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "graph.py").write_text(_header(summary) + marked_code(graphs), encoding="utf-8")
-    (out / "graph.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
-    (out / "graph.svg").write_text(svg, encoding="utf-8")
     page = render_report(summary, svg, count_executed_casts(amp_model, captured, inputs), _title(summary))
-    (out / "report.html").write_text(page, encoding="utf-8")
-    (out / "diff.txt").write_text(graph_diff(captured.original_code, captured.graph_module, summary), encoding="utf-8")
+    texts = {
+        "graph.py": _header(summary) + marked_code(graphs),
+        "graph.json": json.dumps(summary, indent=1) + "\n",
+        "graph.svg": svg,
+        "report.html": page,
+        "diff.txt": graph_diff(captured.original_code, captured.graph_module, summary),
+    }
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for name, text in texts.items():
+            (out / name).write_text(text, encoding="utf-8")
+    except OSError as error:
+        raise ExportError(
+            f"{out}: cannot write the export there ({error}); pass a folder you can write to."
+        ) from error
     return out
+
+
+def check_out_dir(out: Path, overwrite: bool) -> None:
+    """Create out_dir, or raise ExportError before any work: it is a file, holds an earlier export, or cannot be
+    created."""
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out}: is a file, not a folder; pass a folder for the export (created if missing).")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ExportError(
+            f"{out}: cannot create the folder ({error.strerror}); pass a folder you can write to."
+        ) from error
+    existing = [name for name in FILES if (out / name).exists()]
+    if existing and not overwrite:
+        raise ExportError(
+            f"{out / existing[0]}: already exists; pass overwrite=True (graphamp export --force) to replace "
+            f"the earlier export, or name a new folder."
+        )
 
 
 def sub_graphs(graph_module: GraphModule, path: tuple = ()) -> list[tuple[tuple, GraphModule]]:

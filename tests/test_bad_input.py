@@ -1,0 +1,342 @@
+"""Bad input gets a clear answer: a typed graphamp error (or a warning) that names the argument, file, line or
+pattern and says the fix, raised before any long work starts; the CLI answers with one `error:` line.
+
+New bad-input cases join the tables: BAD_CALLS (a call, the error type, a regex of its message) and
+BAD_COMMANDS (a `graphamp` command line, its exit status, a regex of its stderr).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import graphamp
+from graphamp import (
+    ArgumentError, AutoMixedPrecisionLists, ExportError, ListFileError, LossScalingError,
+)
+from graphamp.list_files import OP_LIST_FILES, default_lists_dir
+from conftest import write_list_folder
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+
+
+class Head(nn.Module):
+    """A model whose output projection is `head` (not `lm_head`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body(x)))
+
+
+def x():
+    return torch.randn(2, 4)
+
+
+def bf16_lists(**options):
+    return AutoMixedPrecisionLists(dtype="bfloat16", **options)
+
+
+def exported_twice(tmp_path):
+    amp = graphamp.rewrite(nn.Linear(4, 4), (x(),), amp_lists=bf16_lists())
+    graphamp.export(amp, tmp_path / "out")
+    graphamp.export(amp, tmp_path / "out")
+
+
+def export_into_a_file(tmp_path):
+    (tmp_path / "out").write_text("not a folder")
+    graphamp.export(graphamp.rewrite(nn.Linear(4, 4), (x(),), amp_lists=bf16_lists()), tmp_path / "out")
+
+
+def lists_folder(**files):
+    """A call that loads AutoMixedPrecisionLists from a folder holding `files` (name: text) only."""
+
+    def load(tmp_path):
+        folder = tmp_path / "lists"
+        folder.mkdir()
+        for name, text in files.items():
+            (folder / name).write_text(text, encoding="utf-8")
+        return AutoMixedPrecisionLists(dtype="bfloat16", lists_dir=folder)
+
+    return load
+
+
+BAD_CALLS = [
+    # argument types
+    pytest.param(lambda tmp: AutoMixedPrecisionLists(custom_white_list=123), ListFileError,
+                 r"custom_white_list=123: pass a list of names", id="custom_white_list-not-a-list"),
+    pytest.param(lambda tmp: graphamp.rewrite(nn.Linear(4, 4), (x(),), amp_lists="bfloat16"), ArgumentError,
+                 r"rewrite\(amp_lists=\.\.\.\) got a str; pass graphamp\.AutoMixedPrecisionLists\(dtype='bfloat16'\)",
+                 id="rewrite-amp_lists-a-string"),
+    pytest.param(lambda tmp: graphamp.doctor(nn.Linear(4, 4), (x(),), amp_lists=torch.float16), ArgumentError,
+                 r"doctor\(amp_lists=\.\.\.\) got a dtype", id="doctor-amp_lists-a-dtype"),
+    pytest.param(lambda tmp: graphamp.decorate(torch.optim.SGD(nn.Linear(4, 4).parameters(), lr=0.1), "float16"),
+                 LossScalingError, r"decorate\(amp_lists=\.\.\.\) got a str; pass the "
+                 r"graphamp\.AutoMixedPrecisionLists\(dtype='float16'\)", id="decorate-amp_lists-a-string"),
+    pytest.param(lambda tmp: graphamp.rewrite(nn.Linear(4, 4), [x()]), ArgumentError,
+                 r"example_args as a list; the positional arguments are a tuple: \(x,\)", id="example_args-a-list"),
+    pytest.param(lambda tmp: graphamp.rewrite(nn.Linear(4, 4), (x(),), example_kwargs=[1]), ArgumentError,
+                 r"example_kwargs as a list; pass a dict", id="example_kwargs-a-list"),
+    pytest.param(lambda tmp: graphamp.rewrite(nn.Linear(4, 4), (x(),), max_captures=0), ArgumentError,
+                 r"max_captures=0: pass a whole number of cached captures, at least 1", id="max_captures-0"),
+    pytest.param(lambda tmp: graphamp.doctor(nn.Linear(4, 4), (x(),), amp_lists=bf16_lists(),
+                                             loss_scaling=math.nan), ArgumentError, r"loss_scaling=nan: pass a positive finite number", id="doctor-loss_scaling-nan"),
+    # lists folders from Python, checked as `graphamp check-lists` checks them
+    pytest.param(lists_folder(), ListFileError, r"holds none of white\.txt, black\.txt, gray\.txt, "
+                 r"black_modules\.txt", id="lists_dir-without-list-files"),
+    pytest.param(lists_folder(**{"White.txt": "mm\n"}), ListFileError,
+                 r"White\.txt: graphamp does not read this file; did you mean white\.txt\?", id="lists_dir-White.txt"),
+    pytest.param(lambda tmp: AutoMixedPrecisionLists(lists_dir=tmp / "missing"), ListFileError,
+                 r"missing: lists_dir is not a folder", id="lists_dir-missing"),
+    pytest.param(lists_folder(**{"gray.txt": "[float16]\nexpp\n"}), ListFileError,
+                 r"gray\.txt:2: unknown op 'expp'.*Did you mean 'exp'", id="typo-under-the-other-dtype"),
+    # invisible characters, shown escaped with file:line
+    pytest.param(lists_folder(**{"white.txt": "# matmuls\nm\u200bm\n"}), ListFileError,
+                 r"white\.txt:2: 'm\\u200bm' holds the invisible character '\\u200b'", id="zero-width-space"),
+    pytest.param(lists_folder(**{"black.txt": "soft\u00a0max\n"}), ListFileError,
+                 r"black\.txt:1: .* holds the invisible character '\\xa0'", id="no-break-space"),
+    pytest.param(lambda tmp: AutoMixedPrecisionLists(custom_black_list=["soft\u200dmax"]), ListFileError,
+                 r"custom_black_list: .* holds the invisible character '\\u200d'", id="zero-width-joiner-custom"),
+    # module patterns
+    pytest.param(lambda tmp: AutoMixedPrecisionLists(custom_black_modules=["[invalid"]), ListFileError,
+                 r"custom_black_modules: \[invalid: '\[invalid' is not a valid glob", id="glob-unclosed-bracket"),
+    pytest.param(lists_folder(**{"white.txt": "mm\n", "black_modules.txt": "layers.[0\n"}), ListFileError,
+                 r"black_modules\.txt:1: 'layers\.\[0' is not a valid glob", id="glob-unclosed-bracket-in-file"),
+    # export
+    pytest.param(exported_twice, ExportError,
+                 r"out/graph\.py: already exists; pass overwrite=True \(graphamp export --force\)",
+                 id="export-over-an-earlier-export"),
+    pytest.param(export_into_a_file, ExportError, r"out: is a file, not a folder", id="export-into-a-file"),
+]
+
+
+@pytest.mark.parametrize("call, error, message", BAD_CALLS)
+def test_bad_call_raises_a_typed_error_that_names_the_fix(call, error, message, tmp_path):
+    with pytest.raises(error, match=message):
+        call(tmp_path)
+
+
+# -- lists ---------------------------------------------------------------------------------------------------
+
+def test_a_byte_order_mark_is_skipped(tmp_path):
+    folder = write_list_folder(tmp_path, white="\ufeffmm\n")
+
+    assert "mm" in AutoMixedPrecisionLists(lists_dir=folder).white_list
+
+
+@pytest.mark.parametrize("spelling", ["aten.gelu.default", "torch.ops.aten.gelu.default", "aten::gelu.default"])
+def test_an_op_spelled_as_node_target_prints_it_is_that_overload(spelling, tmp_path):
+    folder = write_list_folder(tmp_path, white=f"{spelling}\n")
+
+    entry = AutoMixedPrecisionLists(lists_dir=folder).classify(torch.ops.aten.gelu.default)
+
+    assert (entry.name, entry.color) == ("gelu.default", "white")
+
+
+def test_a_packet_spelled_with_the_aten_namespace_is_the_packet():
+    lists = bf16_lists(custom_black_list=["aten.gelu"])
+
+    assert lists.classify(torch.ops.aten.gelu.default).color == "black"
+
+
+@torch.library.custom_op("graphamp_bad_input::fused_gelu", mutates_args=())
+def fused_gelu(x: torch.Tensor) -> torch.Tensor:
+    return nn.functional.gelu(x)
+
+
+def test_a_typo_of_a_registered_custom_op_gets_a_suggestion():
+    with pytest.warns(UserWarning, match=r"'graphamp_bad_input::fused_gleu' is not registered \(yet\); "
+                                          r"did you mean 'graphamp_bad_input::fused_gelu'\?"):
+        bf16_lists(custom_white_list=["graphamp_bad_input::fused_gleu"])
+
+
+def test_many_unregistered_custom_ops_give_one_warning(tmp_path):
+    entries = "".join(f"unloaded_lib::op{i}\n" for i in range(100_000))
+    folder = write_list_folder(tmp_path, white=entries)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lists = AutoMixedPrecisionLists(lists_dir=folder)
+
+    assert len(caught) == 1
+    assert "100000 custom ops are not registered (yet)" in str(caught[0].message)
+    assert "and 99995 more" in str(caught[0].message)
+    assert len(lists.white_list) == 100_000
+
+
+@pytest.mark.parametrize("file", OP_LIST_FILES.values())
+def test_a_shipped_list_ends_in_the_all_section(file):
+    lines = (default_lists_dir() / file).read_text().splitlines()
+    headers = [line.split("#")[0].strip() for line in lines if line.startswith("[")]
+
+    assert headers[-1:] in ([], ["[all]"])
+
+
+def test_an_entry_appended_to_a_copy_of_gray_txt_is_gray_in_both_dtypes(tmp_path):
+    folder = tmp_path / "lists"
+    folder.mkdir()
+    for file in OP_LIST_FILES.values():
+        (folder / file).write_text((default_lists_dir() / file).read_text())
+    with open(folder / "gray.txt", "a") as gray:
+        gray.write("mylib_not_loaded::op\n")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the op is not registered
+        colors = {dtype: AutoMixedPrecisionLists(dtype=dtype, lists_dir=folder).gray_list for dtype in
+                  ("float16", "bfloat16")}
+
+    assert all("mylib_not_loaded::op" in gray for gray in colors.values())
+
+
+# -- module patterns -----------------------------------------------------------------------------------------
+
+def test_an_unmatched_black_module_pattern_warns_with_the_closest_paths():
+    lists = bf16_lists(custom_black_modules=["lm_head"])
+
+    with pytest.warns(UserWarning, match=r"custom_black_modules: lm_head: black-module pattern 'lm_head' matches "
+                                          r"no module of Head, so it keeps nothing in FP32; closest module paths: head"):
+        graphamp.rewrite(Head(), (x(),), amp_lists=lists)
+
+
+def test_an_unmatched_pattern_of_black_modules_txt_names_its_line(tmp_path):
+    folder = write_list_folder(tmp_path, white="addmm\n", **{"black_modules.txt": "# fp32\nbody.*\n"})
+
+    with pytest.warns(UserWarning, match=r"black_modules\.txt:2: black-module pattern 'body\.\*' matches no module"):
+        graphamp.doctor(Head(), (x(),), amp_lists=AutoMixedPrecisionLists(dtype="bfloat16", lists_dir=folder))
+
+
+def test_a_matched_black_module_pattern_gives_no_warning():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*black-module pattern")
+        graphamp.rewrite(Head(), (x(),), amp_lists=bf16_lists(custom_black_modules=["he*"]))
+
+
+# -- export --------------------------------------------------------------------------------------------------
+
+def test_export_overwrites_an_earlier_export_when_told(tmp_path):
+    amp = graphamp.rewrite(nn.Linear(4, 4), (x(),), amp_lists=bf16_lists())
+    (tmp_path / "graph.py").write_text("stale")
+
+    graphamp.export(amp, tmp_path, overwrite=True)
+
+    assert (tmp_path / "graph.py").read_text() != "stale"
+
+
+# -- the cast pass -------------------------------------------------------------------------------------------
+
+def test_spectral_norm_rewrite_prints_no_fake_tensor_errors():
+    script = (
+        "import torch, graphamp\n"
+        "from torch import nn\n"
+        "torch.manual_seed(0)\n"
+        "m = nn.Sequential(nn.utils.parametrizations.spectral_norm(nn.Linear(8, 8)), nn.ReLU())\n"
+        "x = torch.randn(2, 8)\n"
+        "expected = m(x)\n"
+        "amp = graphamp.rewrite(m, (x,), amp_lists=graphamp.AutoMixedPrecisionLists(dtype='bfloat16'))\n"
+        "out = amp(x)\n"
+        "assert torch.allclose(out, expected, rtol=3e-2, atol=3e-2), (out - expected).abs().max()\n"
+    )
+    result = run_python(["-c", script], cwd=REPO)
+
+    assert result.returncode == 0, result.stderr
+    assert "fake_tensor" not in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+# -- the CLI, through a subprocess -----------------------------------------------------------------------------
+
+def run_python(arguments, cwd):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(TESTS)])}
+    return subprocess.run([sys.executable, *arguments], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+FACTORIES = {
+    "raises.py": "def make():\n    raise RuntimeError('no weights here')\n",
+    "broken.py": "def make(:\n    pass\n",
+    "needs_missing.py": "import graphamp_no_such_package\n\ndef make():\n    pass\n",
+    "fine.py": "import torch\nfrom torch import nn\n\ndef make():\n    return nn.Linear(4, 4), (torch.randn(2, 4),)\n",
+}
+
+BAD_COMMANDS = [
+    pytest.param(["export", "raises:make", "--out", "out"], 1,
+                 r"^error: raises:make: make\(\) raised RuntimeError: no weights here\n\(run with --debug",
+                 id="factory-raises"),
+    pytest.param(["export", "broken:make", "--out", "out"], 1,
+                 r"^error: broken:make: importing broken failed: SyntaxError: .*broken\.py, line 1",
+                 id="factory-module-syntax-error"),
+    pytest.param(["export", "needs_missing:make", "--out", "out"], 1,
+                 r"^error: needs_missing:make: importing needs_missing failed: ModuleNotFoundError: "
+                 r"No module named 'graphamp_no_such_package'", id="factory-module-import-fails"),
+    pytest.param(["export", "fine:make", "--out", "a_file"], 1, r"^error: a_file: is a file, not a folder",
+                 id="export-out-is-a-file"),
+    pytest.param(["export", "fine:make", "--out", "a_file/out"], 1,
+                 r"^error: a_file/out: cannot create the folder \(Not a directory\)", id="export-out-inside-a-file"),
+    pytest.param(["export", "fine:make", "--out", "done"], 1,
+                 r"^error: done/graph\.py: already exists; pass overwrite=True \(graphamp export --force\)",
+                 id="export-over-an-earlier-export"),
+    pytest.param(["doctor", "fine:make", "--loss-scaling", "nan"], 2,
+                 r"argument --loss-scaling: 'nan' is not a positive finite number", id="doctor-nan-scaling"),
+    pytest.param(["doctor", "fine:make", "--top", "-3"], 2,
+                 r"argument --top: '-3' is not a whole number of at least 0", id="doctor-negative-top"),
+    pytest.param(["doctor", "fine:make", "--auto", "-1"], 2,
+                 r"argument --auto: '-1' is not a positive finite number", id="doctor-negative-auto"),
+    pytest.param(["doctor", "fine:make", "--apply", str(REPO / "lists"), "--out", "report"], 1,
+                 r"^error: .*lists: is the folder of graphamp's shipped lists, which is never written over",
+                 id="doctor-apply-to-the-shipped-lists"),
+    pytest.param(["lists", "--lists", "empty"], 1, r"^error: empty: holds none of white\.txt",
+                 id="lists-folder-without-list-files"),
+]
+
+
+@pytest.mark.parametrize("argv, status, message", BAD_COMMANDS)
+def test_bad_command_gets_one_error_line_and_no_traceback(argv, status, message, tmp_path):
+    for name, source in FACTORIES.items():
+        (tmp_path / name).write_text(source)
+    (tmp_path / "a_file").write_text("")
+    (tmp_path / "done").mkdir()
+    (tmp_path / "done" / "graph.py").write_text("an earlier export")
+    (tmp_path / "empty").mkdir()
+
+    result = run_python(["-m", "graphamp.cli", *argv], cwd=tmp_path)
+
+    assert result.returncode == status
+    assert "Traceback" not in result.stderr
+    assert re.search(message, result.stderr, flags=re.MULTILINE | re.DOTALL), result.stderr
+    assert not (tmp_path / "report").exists()  # the doctor stopped before its diagnosis
+    assert (tmp_path / "done" / "graph.py").read_text() == "an earlier export"
+
+
+def test_debug_prints_the_traceback_of_the_users_error(tmp_path):
+    (tmp_path / "raises.py").write_text(FACTORIES["raises.py"])
+
+    result = run_python(["-m", "graphamp.cli", "export", "raises:make", "--out", "out", "--debug"], cwd=tmp_path)
+
+    assert result.returncode == 1
+    assert "Traceback" in result.stderr
+    assert "raise RuntimeError('no weights here')" in result.stderr
+    assert result.stderr.rstrip().splitlines()[-1] == "error: raises:make: make() raised RuntimeError: no weights here"
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root writes into read-only folders")
+def test_a_read_only_out_folder_is_an_error_line(tmp_path):
+    (tmp_path / "fine.py").write_text(FACTORIES["fine.py"])
+    (tmp_path / "locked").mkdir(mode=0o555)
+
+    result = run_python(["-m", "graphamp.cli", "export", "fine:make", "--out", "locked/out"], cwd=tmp_path)
+
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    assert result.stderr.startswith("error: locked/out: cannot create the folder (Permission denied)")
