@@ -160,7 +160,7 @@ class AmpModule(nn.Module):
 
         dynamic: True captures with dynamic dims at once, as generation does; None follows `self.dynamic`.
         """
-        if module_fingerprint(self._original) != self._fingerprint:
+        if self._model_fingerprint() != self._fingerprint:
             self._captures.clear()  # a graph of the model as it was must never run again
         # One capture whatever order keywords come in, and whether or not a default is passed explicitly.
         kwargs = dict(sorted(without_defaults(self._original, kwargs).items()))
@@ -172,11 +172,14 @@ class AmpModule(nn.Module):
             check_backward_hooks(self._original, self._regions.paths if self._regions is not None else ())
             key = self._capture_signature(signature, args, kwargs, self.dynamic if dynamic is None else dynamic)
             # Taken after capture: a model may register hooks on its first call (transformers' output capturing).
-            self._fingerprint = module_fingerprint(self._original)
+            self._fingerprint = self._model_fingerprint()
         else:
             self._captures.move_to_end(key)
         self._last = self._captures[key]
         return self._last, flat_inputs
+
+    def _model_fingerprint(self) -> tuple:
+        return module_fingerprint(self._original, parameter_identity=not _sharded_by_fsdp2(self))
 
     def _cached_key(self, signature: InputSignature, flat_inputs: list) -> Hashable | None:
         if signature in self._captures:
@@ -191,7 +194,8 @@ class AmpModule(nn.Module):
         """Capture for a new signature (static, or dynamic by the automatic rule) and cache it; return its key."""
         shape_free = signature.without_sizes()
         sizes_captured = self._sizes_captured.setdefault(shape_free, [])
-        sizes_captured.append(signature.sizes)
+        if signature.sizes not in sizes_captured:  # a recapture of the same sizes (after an edit) is no variation
+            sizes_captured.append(signature.sizes)
         # Once any signature's sizes have varied, a new keyword set is captured dynamic at once: one capture each.
         make_dynamic = bool(dynamic) or (dynamic is None and any(len(sizes) > 1 for sizes in self._sizes_captured.values()))
         captured = self._capture(args, kwargs, make_dynamic)
@@ -332,6 +336,12 @@ def _class_looking_like(original_class: type) -> type:
         cls = type(name, (AmpModule,), namespace)
     _classes_looking_like[original_class] = cls
     return cls
+
+
+def _sharded_by_fsdp2(amp_model: AmpModule) -> bool:
+    """FSDP2 around the AmpModule, or on the model's root (per-block sharding)."""
+    fsdp_module = getattr(torch.distributed.fsdp, "FSDPModule", None) if torch.distributed.is_available() else None
+    return fsdp_module is not None and (isinstance(amp_model, fsdp_module) or isinstance(amp_model._original, fsdp_module))
 
 
 def _users_class(cls: type) -> type:

@@ -15,11 +15,13 @@ from torch.nn.modules import module as _module_globals
 __all__ = ["module_fingerprint"]
 
 
-def module_fingerprint(model: nn.Module) -> tuple:
+def module_fingerprint(model: nn.Module, parameter_identity: bool = True) -> tuple:
     """A tuple that changes whenever the module tree, a tensor it holds, or a hook registered on it changes.
 
     Args:
         model: the module whose captured graphs are checked.
+        parameter_identity: whether a parameter replaced by another object counts as a change. Off under FSDP2,
+            which swaps its sharded and unsharded parameter objects around every forward by design.
     """
     parts: list = [_global_hook_keys()]
     root_training = model.training
@@ -36,10 +38,12 @@ def module_fingerprint(model: nn.Module) -> tuple:
             tuple(module._forward_pre_hooks), tuple(module._forward_hooks),
             tuple(module._backward_pre_hooks), tuple(module._backward_hooks),
         ))
-        for table in (module._parameters, module._buffers):
-            for tensor in table.values():
-                # A device move is in the capture key already; a wrong shape fails loudly in the graph.
-                parts.append(None if tensor is None else (id(tensor), tensor.requires_grad, tensor.dtype))
+        for tensor in module._parameters.values():
+            # A device move is in the capture key already; a wrong shape fails loudly in the graph.
+            identity = id(tensor) if parameter_identity else None
+            parts.append(None if tensor is None else (identity, tensor.requires_grad, tensor.dtype))
+        for tensor in module._buffers.values():
+            parts.append(None if tensor is None else (id(tensor), tensor.requires_grad, tensor.dtype))
     return tuple(parts)
 
 
