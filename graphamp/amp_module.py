@@ -21,6 +21,7 @@ from graphamp.compiled import CompiledGraph
 from graphamp.dtypes import HALF_DTYPES, check_dtype_runs_on, dtype_name
 from graphamp.lists import AutoMixedPrecisionLists
 from graphamp.progress import Progress
+from graphamp.weight_cache import WeightCache, feed_weight_casts
 
 __all__ = ["AmpModule", "rewrite"]
 
@@ -39,7 +40,7 @@ class AmpModule(nn.Module):
 
     def __init__(
         self, model, amp_lists, level="O1", compile=False, fp32_outputs=True, max_captures=DEFAULT_MAX_CAPTURES,
-        progress=None,
+        progress=None, weight_cache=True, compile_mode=None,
     ):
         super().__init__()
         self.__dict__["_original"] = model  # not registered: its tables are ours already
@@ -53,6 +54,10 @@ class AmpModule(nn.Module):
         self.fp32_outputs = fp32_outputs
         self.max_captures = max_captures
         self.progress = Progress(progress)
+        self.compile_mode = compile_mode
+        self.weight_cache = WeightCache() if weight_cache else None
+        if self.weight_cache is not None:
+            self.weight_cache.static_addresses = compile_mode == "reduce-overhead"
         self._captures: OrderedDict[Hashable, Captured] = OrderedDict()
         self._last: Captured | None = None
 
@@ -99,7 +104,11 @@ class AmpModule(nn.Module):
     def forward(self, *args, **kwargs):
         captured, flat_inputs = self._captured_for(args, kwargs)
         lifted = [source.get() for source in captured.lifted]
-        outputs = captured.run(*lifted, *flat_inputs)
+        weight_casts = (
+            self.weight_cache.casts_of([(lifted[i], dtype) for i, dtype in captured.fed_weights])
+            if captured.fed_weights else []
+        )
+        outputs = captured.run(*lifted, *flat_inputs, *weight_casts)
         return pytree.tree_unflatten([outputs[i] for i in captured.user_outputs], captured.out_spec)
 
     def _captured_for(self, args: tuple, kwargs: dict) -> tuple[Captured, list]:
@@ -135,8 +144,11 @@ class AmpModule(nn.Module):
                 fp32_placeholders(self._original, captured, self.level),
             )
         captured.timings = timings
+        graph_to_run = captured.graph_module
+        if self.weight_cache is not None:  # graph_module stays the cast pass's, for the tools that show it
+            graph_to_run, captured.fed_weights = feed_weight_casts(graph_to_run, list(captured.parameter_placeholders))
         captured.run = (
-            CompiledGraph(captured.graph_module, self.progress, timings) if self.compile else captured.graph_module
+            CompiledGraph(graph_to_run, self.progress, timings, self.compile_mode) if self.compile else graph_to_run
         )
         return captured
 
@@ -163,6 +175,8 @@ def rewrite(
     fp32_outputs: bool = True,
     max_captures: int = DEFAULT_MAX_CAPTURES,
     progress: bool | None = None,
+    weight_cache: bool = True,
+    compile_mode: str | None = None,
 ) -> AmpModule:
     """Capture `model` with torch.export and return an AmpModule that runs it in mixed precision.
 
@@ -174,11 +188,18 @@ def rewrite(
     fp32_outputs: cast floating outputs back to float32 (the loss comes back FP32).
     progress: a line on stderr per phase (capture, cast pass, inductor compiles) — None: phases still running
     after 2 s; True: every phase; False: none. Each capture's `timings` has the seconds either way.
+    weight_cache: keep the float16/bfloat16 copies of the weights between forwards, recast once after each
+    optimizer step instead of at every forward (see graphamp/weight_cache.py for what counts as a change).
+    compile_mode: torch.compile's mode, e.g. "reduce-overhead" (CUDA graphs) or "max-autotune"; needs compile=True.
     """
     example_args, example_kwargs, amp_lists = check_entry_arguments(
         "rewrite", model, example_args, example_kwargs, amp_lists, level, compile
     )
-    amp_model = AmpModule(model, amp_lists, level, compile, fp32_outputs, max_captures, progress)
+    if compile_mode is not None and not compile:
+        raise ValueError(f"compile_mode={compile_mode!r} is torch.compile's mode: pass compile=True with it.")
+    amp_model = AmpModule(
+        model, amp_lists, level, compile, fp32_outputs, max_captures, progress, weight_cache, compile_mode
+    )
     amp_model._captured_for(example_args, example_kwargs)
     return amp_model
 

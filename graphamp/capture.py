@@ -54,6 +54,8 @@ class Captured:
     # The (args, kwargs) it was captured on, for export's reruns; an AmpModule keeps them on its newest capture only.
     example_inputs: tuple | None = None
     training: bool = True  # the model's mode when captured
+    # (index among the lifted inputs, dtype) of each weight cast `run` takes after the user inputs (weight cache).
+    fed_weights: list = field(default_factory=list)
 
 
 def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:

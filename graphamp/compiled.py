@@ -26,11 +26,14 @@ _callbacks_installed = False
 
 
 class CompiledGraph:
-    """Calls `torch.compile(graph_module)`; `timings` accumulates the seconds of each compile phase."""
+    """Calls `torch.compile(graph_module, mode=mode)`; `timings` accumulates the seconds of each compile phase.
 
-    def __init__(self, graph_module: torch.fx.GraphModule, progress: Progress, timings: dict):
+    mode "reduce-overhead" records CUDA graphs on a GPU (inductor falls back to plain kernels on a CPU).
+    """
+
+    def __init__(self, graph_module: torch.fx.GraphModule, progress: Progress, timings: dict, mode: str | None = None):
         _install_callbacks()
-        self.compiled = torch.compile(graph_module, dynamic=False)
+        self.compiled = torch.compile(graph_module, dynamic=False, mode=mode)
         self.progress = progress
         self.timings = timings
 
