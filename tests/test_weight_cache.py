@@ -183,3 +183,64 @@ def test_the_graph_shown_keeps_the_weight_casts():
     amp = graphamp.rewrite(model, (x,), amp_lists=BF16)
     cast_op = torch.ops.aten._to_copy.default
     assert len(amp.graph_module.graph.find_nodes(op="call_function", target=cast_op)) == amp.report.casts_inserted
+
+
+# -- on a GPU ------------------------------------------------------------------------------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def cuda_mlp_stepped_once():
+    """An fp16-rewritten MLP on the GPU whose copies are stale: one forward made them, one step changed the weights."""
+    model, x = mlp().cuda(), mlp_batch().cuda()
+    amp = graphamp.rewrite(model, (x,), amp_lists=graphamp.AutoMixedPrecisionLists(dtype="float16"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    amp(x).float().square().mean().backward()
+    optimizer.step()
+    return amp, x
+
+
+@needs_cuda
+def test_the_recast_makes_no_host_sync_on_cuda():
+    amp, x = cuda_mlp_stepped_once()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        amp(x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@needs_cuda
+def test_the_recast_takes_fewer_kernels_than_weights_on_cuda():
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    amp, x = cuda_mlp_stepped_once()
+    captured = amp.captures[0]
+    lifted = [source.get() for source in captured.lifted]
+    weights = [(lifted[i], dtype) for i, dtype in captured.fed_weights]
+    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+        amp.weight_cache.casts_of(weights)
+        torch.cuda.synchronize()
+    kernels = [e for e in profiler.events() if e.device_type == DeviceType.CUDA]
+    assert 0 < len(kernels) < len(weights)
+
+
+@needs_cuda
+def test_reduce_overhead_with_the_cache_trains_as_the_eager_rewrite_on_cuda():
+    results = []
+    for compile_mode, weight_cache in (("reduce-overhead", True), (None, False)):
+        model, x = mlp().cuda(), mlp_batch().cuda()
+        amp = graphamp.rewrite(
+            model, (x,), amp_lists=BF16, weight_cache=weight_cache, compile=compile_mode is not None,
+            compile_mode=compile_mode, progress=False,
+        )
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        for _ in range(3):
+            for _ in range(2):
+                torch.compiler.cudagraph_mark_step_begin()
+                amp(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        results.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    torch.testing.assert_close(results[0], results[1], rtol=1e-3, atol=1e-4)
