@@ -56,7 +56,7 @@ def casts_per_step(model_name: str, mode: str, micro_batches: int) -> tuple[int,
 def _small(inputs: dict, target):
     """Two items of at most 32 tokens: the casts do not depend on the batch, and the CPU steps go faster."""
     def cut(t):
-        return t[:2, :32] if t.dim() == 2 else t[:2]
+        return (t[:2, :32] if t.dim() == 2 else t[:2]).contiguous()
 
     return {k: cut(v) for k, v in inputs.items()}, None if target is None else target[:2]
 
