@@ -9,7 +9,9 @@ graph did. When a weight changes, its copy is recast in place at the next forwar
 `torch._foreach_copy_`.
 
 A weight has changed when
-- a torch optimizer stepped it (a global step post-hook: fused optimizers write without bumping `_version`);
+- any torch optimizer stepped (a global step post-hook): every weight that requires grad may have changed, not
+  only the optimizer's own (fused optimizers write without bumping `_version`; FSDP2 gathers its unsharded
+  weights from the stepped shards, into the same storage, without bumping it either);
 - its `_version` moved (in-place writes under no_grad, `load_state_dict`, foreach optimizers);
 - it is held in another storage or device (`.to()`, `param.data = t`), or its requires_grad changed.
 Writes through `param.data` (`p.data.copy_(t)`, `p.data.mul_(c)`) move no counter and are not seen: call
@@ -142,13 +144,11 @@ class WeightCache:
             _recast([kept for kept, _ in stale.values()], [weight for _, weight in stale.values()])
         return casts
 
-    def mark_stepped(self, parameters) -> None:
-        """Recast these parameters' copies at their next use (an optimizer wrote into them)."""
-        for parameter in parameters:
-            copies = self._copies.get(parameter)
-            if copies:
-                for kept in copies.values():
-                    kept.stale = True
+    def mark_trained_stale(self) -> None:
+        """Recast the copies of weights that require grad at their next use (an optimizer stepped)."""
+        for copies in self._copies.values():
+            for kept in copies.values():
+                kept.stale = kept.stale or kept.requires_grad
 
     def clear(self) -> None:
         """Drop every copy; the next forward casts afresh (after writes through `param.data`)."""
@@ -180,11 +180,8 @@ def _recast(copies: list[_Copy], weights: list[torch.Tensor]) -> None:
 
 
 def _after_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    caches = [cache for cache in list(_caches) if len(cache)]
-    if caches:
-        parameters = [p for group in optimizer.param_groups for p in group["params"]]
-        for cache in caches:
-            cache.mark_stepped(parameters)
+    for cache in list(_caches):
+        cache.mark_trained_stale()
 
 
 def _install_step_hook() -> None:

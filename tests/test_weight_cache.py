@@ -136,6 +136,18 @@ def test_a_skipped_step_keeps_the_copies():
     assert recorder.casts == warm.casts - 6  # no weight was written, so none is recast
 
 
+def test_an_optimizer_step_recasts_the_trained_weights_and_keeps_the_frozen_ones():
+    model, x = mlp(), mlp_batch()
+    model[0].requires_grad_(False)  # a frozen layer (a LoRA base, say): no optimizer can change it
+    amp = graphamp.rewrite(model, (x,), amp_lists=BF16)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    amp(x).square().mean().backward()
+    optimizer.step()
+    with DtypeRecorder() as recorder:
+        amp(x)
+    assert recorder.casts == 2 + 4  # the input, the output and the two trained layers' weights and biases
+
+
 def test_the_cache_holds_one_low_copy_per_cast_weight():
     model, x = mlp(), mlp_batch()
     amp = graphamp.rewrite(model, (x,), amp_lists=BF16)
