@@ -3,6 +3,8 @@
     python benchmarks/train_step.py                                  # every model and mode, a table on stdout
     python benchmarks/train_step.py --results benchmarks/RESULTS.md  # and the table into RESULTS.md
     python benchmarks/train_step.py --models gpt2 --dtypes bfloat16 --steps 30
+    python benchmarks/train_step.py --models gpt2 --modes autocast,graphamp --profile --trace-dir traces/
+    python benchmarks/train_step.py --micro-batches 4 --fused --compile-mode reduce-overhead
 
 On a CPU the models are scaled down and run in bfloat16; on a GPU they are full size and run in float16 (with
 loss scaling: GradScaler for autocast, graphamp.decorate for graphamp) and bfloat16. Each (model, mode, dtype)
@@ -37,32 +39,43 @@ BF16_PEAK_FLOPS = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("
 # ---------------------------------------------------------------- one (model, mode, dtype), in a child process
 
 
-def measure(model_name: str, mode: str, dtype_name: str, device: str, steps: int, warmup: int) -> dict:
+def measure(model_name: str, mode: str, dtype_name: str, device: str, steps: int, warmup: int, options=None) -> dict:
+    """One (model, mode, dtype): step time, peak memory, casts per step; options: the parent's flags."""
+    options = options or {}
+    micro_batches = options.get("micro_batches", 1)
     import transformers  # noqa: F401  (imported before the memory baseline, as in every mode)
 
     import graphamp
     from bench_models import build
     from graphamp.inspection.recording import DtypeRecorder
+    from step_profile import loss_scaling_range, profile_steps
 
     baseline_mib = 0.0 if device == "cuda" else _resident_mib("VmRSS")  # torch's own libraries, on a CPU
     workload = build(model_name, "gpu" if device == "cuda" else "cpu", device)
     model, batches = workload.model, workload.batches
     low = getattr(torch, dtype_name)
     compiled = mode.endswith("+compile")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True if options.get("fused") else None)
     scaler = None
-    result = {"model": model_name, "mode": mode, "dtype": dtype_name, "items": workload.items, "unit": workload.unit}
+    result = {
+        "model": model_name, "mode": mode, "dtype": dtype_name, "items": workload.items * micro_batches,
+        "unit": workload.unit,
+    }
 
     if mode.startswith("graphamp"):
         lists = graphamp.AutoMixedPrecisionLists(dtype=dtype_name)
         started = time.perf_counter()
-        net = graphamp.rewrite(model, example_kwargs=batches[0][0], amp_lists=lists, compile=compiled)
+        net = graphamp.rewrite(
+            model, example_kwargs=batches[0][0], amp_lists=lists, compile=compiled,
+            weight_cache=options.get("weight_cache", True),
+            compile_mode=options.get("compile_mode") if compiled else None,
+        )
         result["rewrite_s"] = time.perf_counter() - started
         if low == torch.float16:
             optimizer = graphamp.decorate(optimizer, lists)
         autocast = contextlib.nullcontext
     else:
-        net = torch.compile(model) if compiled else model
+        net = torch.compile(model, mode=options.get("compile_mode")) if compiled else model
         if mode.startswith("autocast") and low == torch.float16:
             scaler = torch.amp.GradScaler(device)
         autocast = (lambda: torch.autocast(device, low)) if mode.startswith("autocast") else contextlib.nullcontext
@@ -80,13 +93,17 @@ def measure(model_name: str, mode: str, dtype_name: str, device: str, steps: int
         return loss
 
     def step():
-        forward_backward()
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
+        for _ in range(micro_batches):  # gradient accumulation: the weight cache casts once for them all
+            forward_backward()
+        with loss_scaling_range() if profiling else contextlib.nullcontext():
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+
+    profiling = False
 
     result["first_step_s"] = timed(step, device)
     for _ in range(warmup - 1):
@@ -99,9 +116,13 @@ def measure(model_name: str, mode: str, dtype_name: str, device: str, steps: int
 
     if not compiled:  # inductor fuses casts into its kernels: no cast runs as a kernel of its own there
         with DtypeRecorder() as recorder:
-            forward_backward()
-        optimizer.zero_grad(set_to_none=True)
+            step()  # a whole step: the weight cache's recast after the last step counts too
         result["casts"] = recorder.casts
+    if options.get("profile"):
+        profiling = True
+        trace_dir = options.get("trace_dir")
+        trace = f"{trace_dir}/{model_name}-{mode}-{dtype_name}.json" if trace_dir else None
+        result["profile"] = profile_steps(step, device, steps=min(steps, 5), trace_path=trace)
     if mode == "fp32":
         result["flops"] = _flops_of(forward_backward)
         optimizer.zero_grad(set_to_none=True)
@@ -153,7 +174,11 @@ def run_child(args, model_name: str, mode: str, dtype_name: str) -> dict:
     command = [
         sys.executable, __file__, "--child", model_name, mode, dtype_name,
         "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
+        "--micro-batches", str(args.micro_batches),
     ]
+    command += ["--fused"] * args.fused + ["--no-weight-cache"] * args.no_weight_cache + ["--profile"] * args.profile
+    command += ["--compile-mode", args.compile_mode] if args.compile_mode else []
+    command += ["--trace-dir", str(args.trace_dir)] if args.trace_dir else []
     print(f"  {model_name:9s} {mode:17s} {dtype_name} ...", file=sys.stderr, flush=True)
     done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
     for line in done.stdout.splitlines():
@@ -222,6 +247,15 @@ def table(results: list[dict], device: str, name: str) -> str:
     return "\n".join(rows)
 
 
+def _options_line(args) -> str:
+    """The flags that change what a step is, in words, for the table's heading."""
+    said = [f"{args.micro_batches} micro-batches per step" if args.micro_batches > 1 else ""]
+    said += ["fused AdamW" if args.fused else "", "graphamp without its weight cache" if args.no_weight_cache else ""]
+    said += [f"compile mode {args.compile_mode}" if args.compile_mode else ""]
+    said = [s for s in said if s]
+    return f"Options: {', '.join(said)}. " if said else ""
+
+
 def _ratio(numerator, denominator) -> str:
     return f"{numerator / denominator:.2f}×" if numerator and denominator else ""
 
@@ -250,11 +284,24 @@ def main() -> None:
     )
     parser.add_argument("--timeout", type=int, default=1800, help="seconds per (model, mode, dtype)")
     parser.add_argument("--results", type=Path, help="write the tables into this markdown file")
+    parser.add_argument("--micro-batches", type=int, default=1, help="backwards accumulated per optimizer step")
+    parser.add_argument("--fused", action="store_true", help="AdamW(fused=True): found_inf stays on the device")
+    parser.add_argument("--no-weight-cache", action="store_true", help="graphamp casts every weight at each forward")
+    parser.add_argument("--compile-mode", help='torch.compile mode of the +compile modes, e.g. "reduce-overhead"')
+    parser.add_argument("--profile", action="store_true", help="also a table of where the time goes (torch.profiler)")
+    parser.add_argument("--trace-dir", type=Path, help="with --profile: a Chrome trace per (model, mode, dtype) here")
     parser.add_argument("--child", nargs=3, metavar=("MODEL", "MODE", "DTYPE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.child:
-        print(RESULT_PREFIX + json.dumps(measure(*args.child, args.device, args.steps, args.warmup)), flush=True)
+        options = {
+            "micro_batches": args.micro_batches, "fused": args.fused, "weight_cache": not args.no_weight_cache,
+            "compile_mode": args.compile_mode, "profile": args.profile, "trace_dir": args.trace_dir,
+        }
+        if args.trace_dir:
+            args.trace_dir.mkdir(parents=True, exist_ok=True)
+        result = measure(*args.child, args.device, args.steps, args.warmup, options)
+        print(RESULT_PREFIX + json.dumps(result), flush=True)
         return
 
     dtypes = (args.dtypes or ("float16,bfloat16" if args.device == "cuda" else "bfloat16")).split(",")
@@ -272,13 +319,18 @@ def main() -> None:
             f"{datetime.date.today().isoformat()}. Step time: median of {args.steps} train steps (forward, backward, "
             f"AdamW) after {args.warmup} warm-up steps, in a child process per mode; the modes ran round-robin "
             f"{args.repeats} times and the median round is shown, with the spread of the rounds (max − min, "
-            f"relative) next to it. Peak memory: "
+            f"relative) next to it. {_options_line(args)}Peak memory: "
             + ("`torch.cuda.max_memory_allocated`." if args.device == "cuda" else
                "the process's peak resident memory during the timed steps (after freed memory is handed back to the "
                "OS), less its resident memory before the model was built (torch's libraries).")
             + "\n"
         )
         block = heading + "\n" + table(results, args.device, name)
+        if args.profile:
+            from step_profile import table as profile_table
+
+            block += "\n\nWhere the time goes (torch.profiler, per step; see benchmarks/step_profile.py):\n\n"
+            block += profile_table(results)
         print("\n" + block + "\n")
         if args.results:
             write_results(args.results, f"{args.device} {dtype_name}", block + "\n\n<details><summary>raw</summary>\n\n"

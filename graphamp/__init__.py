@@ -20,6 +20,7 @@ from graphamp.inspection.export_files import export
 from graphamp.lists import AutoMixedPrecisionLists, Decision
 from graphamp.loss_scaler import LossScaler
 from graphamp.optimizer import OptimizerWithMixedPrecision, decorate
+from graphamp.weight_cache import WeightCache
 
 _renamed.install()
 
@@ -40,6 +41,7 @@ __all__ = [
     "LossScalingError",
     "OptimizerWithMixedPrecision",
     "RewriteReport",
+    "WeightCache",
     "__version__",
     "auto_mixed_precision",
     "decorate",

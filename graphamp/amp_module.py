@@ -33,6 +33,7 @@ from graphamp.module_hooks import check_backward_hooks, noting_side_effect_hooks
 from graphamp.progress import Progress
 from graphamp.regions import Regions, check_sharding, region_paths
 from graphamp.shapes import InputGuard, InputSignature, is_dynamic, signature_of, specialized_dims, without_defaults
+from graphamp.weight_cache import WeightCache, feed_weight_casts
 
 __all__ = ["AmpModule", "rewrite"]
 
@@ -60,7 +61,7 @@ class AmpModule(nn.Module):
 
     def __init__(
         self, model, amp_lists, level="O1", compile=False, fp32_outputs=True, max_captures=DEFAULT_MAX_CAPTURES,
-        progress=None, regions=None, dynamic=None, checkpoint=None,
+        progress=None, regions=None, dynamic=None, checkpoint=None, weight_cache=True, compile_mode=None,
     ):
         nn.Module.__init__(self)  # not super(): the next class may be the original's, whose __init__ builds a model
         self.__dict__["_original"] = model  # not registered: its tables are ours already
@@ -82,6 +83,10 @@ class AmpModule(nn.Module):
         self.progress = Progress(progress)
         self.checkpoint = checkpoint
         # Keys: an InputSignature for a static capture, (signature without sizes, InputGuard) for a dynamic one.
+        self.compile_mode = compile_mode
+        self.weight_cache = WeightCache() if weight_cache else None
+        if self.weight_cache is not None:
+            self.weight_cache.static_addresses = compile_mode == "reduce-overhead"
         self._captures: OrderedDict[Hashable, Captured] = OrderedDict()
         self._sizes_captured: dict[InputSignature, list[tuple]] = {}  # per signature without sizes
         self._last: Captured | None = None
@@ -141,10 +146,17 @@ class AmpModule(nn.Module):
         lifted = [source.get() for source in captured.lifted]
         scale = self._loss_scaling_for_this_call()
         if scale is None:
-            outputs = captured.run(*lifted, *flat_inputs)
+            outputs = captured.run(*lifted, *flat_inputs, *self._weight_casts(captured, lifted))
         else:
-            outputs = run_scaled(captured.run, [*lifted, *flat_inputs], scale)
+            weight_casts = functools.partial(self._weight_casts, captured, lifted)
+            outputs = run_scaled(captured.run, [*lifted, *flat_inputs], scale, weight_casts)
         return pytree.tree_unflatten([outputs[i] for i in captured.user_outputs], captured.out_spec)
+
+    def _weight_casts(self, captured: Captured, lifted: list, gradient_factor: torch.Tensor | None = None) -> list:
+        """The low-precision weights a weight-cache graph takes after the user inputs (kept between forwards)."""
+        if not captured.fed_weights:
+            return []
+        return self.weight_cache.casts_of([(lifted[i], dtype) for i, dtype in captured.fed_weights], gradient_factor)
 
     def recapture(self) -> None:
         """Drop every cached capture: the next call captures the model as it is then.
@@ -160,7 +172,8 @@ class AmpModule(nn.Module):
 
         dynamic: True captures with dynamic dims at once, as generation does; None follows `self.dynamic`.
         """
-        if self._model_fingerprint() != self._fingerprint:
+        fingerprint = self._model_fingerprint()
+        if fingerprint is not None and fingerprint != self._fingerprint:
             self._captures.clear()  # a graph of the model as it was must never run again
         # One capture whatever order keywords come in, and whether or not a default is passed explicitly.
         kwargs = dict(sorted(without_defaults(self._original, kwargs).items()))
@@ -172,7 +185,7 @@ class AmpModule(nn.Module):
             check_backward_hooks(self._original, self._regions.paths if self._regions is not None else ())
             key = self._capture_signature(signature, args, kwargs, self.dynamic if dynamic is None else dynamic)
             # Taken after capture: a model may register hooks on its first call (transformers' output capturing).
-            self._fingerprint = self._model_fingerprint()
+            self._fingerprint = self._model_fingerprint() or self._fingerprint
         else:
             self._captures.move_to_end(key)
         self._last = self._captures[key]
@@ -260,9 +273,12 @@ class AmpModule(nn.Module):
         if self._regions is not None:
             captured.run = self._regions.split(captured, self.compile, self.progress, timings)
             return captured
-        runnable = checkpointed(captured.graph_module)
+        graph_to_run = captured.graph_module
+        if self.weight_cache is not None:  # graph_module stays the cast pass's, for the tools that show it
+            graph_to_run, captured.fed_weights = feed_weight_casts(graph_to_run, list(captured.parameter_placeholders))
+        runnable = checkpointed(graph_to_run)
         captured.run = (
-            CompiledGraph(runnable, self.progress, timings, is_dynamic(captured.graph_module))
+            CompiledGraph(runnable, self.progress, timings, is_dynamic(captured.graph_module), self.compile_mode)
             if self.compile
             else runnable
         )
@@ -387,6 +403,8 @@ def rewrite(
     regions: str | list[str] | None = None,
     dynamic: bool | None = None,
     checkpoint: str | None = None,
+    weight_cache: bool = True,
+    compile_mode: str | None = None,
 ) -> AmpModule:
     """Capture `model` with torch.export and return an AmpModule that runs it in mixed precision.
 
@@ -412,6 +430,10 @@ def rewrite(
             ("transformer.h.*"): its activations are recomputed in backward instead of saved. Checkpointing the
             model does itself (torch.utils.checkpoint, HF gradient_checkpointing_enable()) is kept without it.
             See docs/module_contract.md.
+        weight_cache: keep the float16/bfloat16 copies of the weights between forwards, recast once after each
+            optimizer step instead of at every forward (docs/performance.md says what counts as a change).
+        compile_mode: torch.compile's mode, e.g. "reduce-overhead" (CUDA graphs) or "max-autotune"; needs
+            compile=True.
 
     Returns:
         An AmpModule to train in place of `model`.
@@ -422,8 +444,11 @@ def rewrite(
     check_max_captures(max_captures)
     check_sharding(model, regions)
     matching_modules(model, checkpoint)  # a pattern that matches nothing fails before the capture
+    if compile_mode is not None and not compile:
+        raise ValueError(f"compile_mode={compile_mode!r} is torch.compile's mode: pass compile=True with it.")
     amp_model = AmpModule(
-        model, amp_lists, level, compile, fp32_outputs, max_captures, progress, regions, dynamic, checkpoint
+        model, amp_lists, level, compile, fp32_outputs, max_captures, progress, regions, dynamic, checkpoint,
+        weight_cache, compile_mode,
     )
     amp_model._captured_for(example_args, example_kwargs)
     return amp_model

@@ -60,6 +60,8 @@ class Captured:
     training: bool = True  # the model's mode when captured
     # Module path -> torch.export's ModuleCallSignature, for the modules captured with preserve_module_call_signature.
     module_calls: dict = field(default_factory=dict)
+    # (index among the lifted inputs, dtype) of each weight cast `run` takes after the user inputs (weight cache).
+    fed_weights: list = field(default_factory=list)
 
 
 def capture(

@@ -28,12 +28,18 @@ _callbacks_installed = False
 
 
 class CompiledGraph:
-    """Calls `torch.compile(graph_module)`; `timings` accumulates the seconds of each compile phase."""
+    """Calls `torch.compile(graph_module, mode=mode)`; `timings` accumulates the seconds of each compile phase.
 
-    def __init__(self, graph_module: torch.fx.GraphModule, progress: Progress, timings: dict, dynamic: bool = False):
+    mode "reduce-overhead" records CUDA graphs on a GPU (inductor falls back to plain kernels on a CPU).
+    """
+
+    def __init__(
+        self, graph_module: torch.fx.GraphModule, progress: Progress, timings: dict, dynamic: bool = False,
+        mode: str | None = None,
+    ):
         _install_callbacks()
         # A graph with symbolic sizes compiles once for all of them; a static one is specialized to its shapes.
-        self.compiled = torch.compile(graph_module, dynamic=dynamic)
+        self.compiled = torch.compile(graph_module, dynamic=dynamic, mode=mode)
         self.progress = progress
         self.timings = timings
 

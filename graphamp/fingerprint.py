@@ -15,8 +15,9 @@ from torch.nn.modules import module as _module_globals
 __all__ = ["module_fingerprint"]
 
 
-def module_fingerprint(model: nn.Module, parameter_identity: bool = True) -> tuple:
-    """A tuple that changes whenever the module tree, a tensor it holds, or a hook registered on it changes.
+def module_fingerprint(model: nn.Module, parameter_identity: bool = True) -> tuple | None:
+    """A tuple that changes whenever the module tree, a tensor it holds, or a hook registered on it changes;
+    None while torch.func.functional_call has swapped plain tensors in for the parameters (no edit).
 
     Args:
         model: the module whose captured graphs are checked.
@@ -39,6 +40,8 @@ def module_fingerprint(model: nn.Module, parameter_identity: bool = True) -> tup
             tuple(module._backward_pre_hooks), tuple(module._backward_hooks),
         ))
         for tensor in module._parameters.values():
+            if tensor is not None and not isinstance(tensor, nn.Parameter):
+                return None  # torch.func.functional_call's tensors, for this call only: the graph reads them as given
             # A device move is in the capture key already; a wrong shape fails loudly in the graph.
             identity = id(tensor) if parameter_identity else None
             parts.append(None if tensor is None else (identity, tensor.requires_grad, tensor.dtype))

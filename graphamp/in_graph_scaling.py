@@ -20,7 +20,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from graphamp.errors import LossScalingError
 
-__all__ = ["link", "register_parameters", "run_scaled", "scale_gradients"]
+__all__ = ["amp_modules_of", "link", "register_parameters", "run_scaled", "scale_gradients"]
 
 # parameter -> weakref to the AmpModule it belongs to (weak both ways: an AmpModule holds its parameters).
 _amp_module_of_parameter = WeakIdKeyDictionary()
@@ -54,6 +54,12 @@ def register_parameters(amp_module: torch.nn.Module) -> None:
         _amp_module_of_parameter[parameter] = ref
 
 
+def amp_modules_of(parameters) -> list[torch.nn.Module]:
+    """The AmpModules that own these parameters (rewrite() registered them)."""
+    refs = (_amp_module_of_parameter.get(p) for p in parameters)
+    return list({id(m): m for m in (ref() for ref in refs if ref is not None) if m is not None}.values())
+
+
 def link(optimizers: list, model: torch.nn.Module | None) -> None:
     """Link decorated optimizers (sharing one loss scaler) to the AmpModules that feed their parameters.
 
@@ -64,8 +70,7 @@ def link(optimizers: list, model: torch.nn.Module | None) -> None:
     """
     parameters = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
     if model is None:
-        refs = (_amp_module_of_parameter.get(p) for p in parameters)
-        amp_modules = {id(m): m for m in (ref() for ref in refs if ref is not None) if m is not None}.values()
+        amp_modules = amp_modules_of(parameters)
     else:
         amp_modules = [m for m in model.modules() if hasattr(m, "_link_optimizer")]
         if not amp_modules:
@@ -99,12 +104,18 @@ def scale_gradients(factor: torch.Tensor, tensors: list[torch.Tensor]) -> list[t
     return tensors
 
 
-def run_scaled(run, inputs: list, scale: torch.Tensor):
+def run_scaled(run, inputs: list, scale: torch.Tensor, weight_casts=None):
     """`run(*inputs)` with the gradient entering its floating outputs times `scale` and that leaving into each
-    input requiring grad (the master weights, an `inputs_embeds`) divided by it: transparent from outside."""
+    input requiring grad (the master weights, an `inputs_embeds`) divided by it: transparent from outside.
+
+    weight_casts: for a weight-cache graph, `weight_casts(1/scale)` gives the low-precision weights it takes after
+    `inputs`; their gradients are divided in float32, after the cast up (graphamp.weight_cache), since a division
+    in float16 would flush the small gradients the scaling is there to keep.
+    """
     up, down = _scaling_factors(scale)
+    casts = weight_casts(down) if weight_casts is not None else []
     # Outputs computed from other outputs (HF's loss from the logits): only the gradient from outside is scaled.
-    return scale_gradients(up, list(run(*scale_gradients(down, inputs))))
+    return scale_gradients(up, list(run(*scale_gradients(down, inputs), *casts)))
 
 
 def _scaling_factors(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

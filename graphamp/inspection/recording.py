@@ -46,8 +46,18 @@ class DtypeRecorder(TorchDispatchMode):
 
     @property
     def casts(self) -> int:
-        """Dtype conversions executed (autocast's and graphamp's both run aten::_to_copy)."""
-        return sum(1 for c in self.calls if c.op == "_to_copy" and c.in_dtypes[:1] != c.out_dtypes[:1])
+        """Dtype conversions executed: autocast's and graphamp's `_to_copy`, and the weight cache's copies into
+        its low-precision copies (`copy_`, `_foreach_copy_`: a destination and a source of different dtypes)."""
+        return sum(_conversions(c) for c in self.calls)
+
+
+def _conversions(call: KernelCall) -> int:
+    if call.op == "_to_copy":
+        return int(call.in_dtypes[:1] != call.out_dtypes[:1])
+    if call.op in ("copy_", "_foreach_copy_"):  # (destinations..., sources...), as many of each
+        half = len(call.in_dtypes) // 2
+        return sum(d != s for d, s in zip(call.in_dtypes[:half], call.in_dtypes[half:2 * half]))
+    return 0
 
 
 @cond_op.py_impl(DtypeRecorder)

@@ -1,0 +1,232 @@
+"""The weight cache: low-precision copies of the FP32 master weights, cast once per optimizer step.
+
+The cast pass casts each parameter inside the graph, so every forward casts every weight again: with gradient
+accumulation over N micro-batches each weight is cast N times per optimizer step. `feed_weight_casts` makes
+the graph take those casts as inputs instead, and a `WeightCache` keeps them between forwards. A copy is made
+once by `weight.to(dtype)` outside the graph; its autograd node (ToCopyBackward0, which saves no tensor)
+carries every later backward's gradient to the master weight, cast to FP32, exactly as the cast inside the
+graph did. When a weight changes, its copy is recast in place at the next forward, all stale copies in one
+`torch._foreach_copy_`.
+
+A weight has changed when
+- any torch optimizer stepped (a global step post-hook): every weight that requires grad may have changed, not
+  only the optimizer's own (fused optimizers write without bumping `_version`; FSDP2 gathers its unsharded
+  weights from the stepped shards, into the same storage, without bumping it either);
+- its `_version` moved (in-place writes under no_grad, `load_state_dict`, foreach optimizers);
+- it is held in another storage or device (`.to()`, `param.data = t`), or its requires_grad changed.
+Writes through `param.data` (`p.data.copy_(t)`, `p.data.mul_(c)`) move no counter and are not seen: call
+`amp_model.weight_cache.clear()` after them, or rewrite with `weight_cache=False`.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch import nn
+from torch._ops import OpOverload
+from torch.fx import GraphModule
+from torch.utils.weak import WeakIdKeyDictionary
+
+from graphamp.aten_ops import written_inputs
+from graphamp.dtypes import HALF_DTYPES
+
+__all__ = ["WeightCache", "feed_weight_casts"]
+
+_CAST_OP = torch.ops.aten._to_copy.default
+_caches: weakref.WeakSet[WeightCache] = weakref.WeakSet()
+_step_hook = None
+
+
+def feed_weight_casts(graph_module: GraphModule, weight_placeholders: list[str]) -> tuple[GraphModule, list]:
+    """A copy of `graph_module` whose casts of weights to float16/bfloat16 are inputs, appended after the others.
+
+    Args:
+        graph_module: a rewritten graph (the cast pass's output); it is left as it is.
+        weight_placeholders: names of the placeholders that are parameters.
+
+    Returns:
+        (the new graph module, [(index of the weight among the graph's placeholders, dtype), ...]), one entry
+        per new input, in order: call it with the original inputs followed by those weights' casts.
+    """
+    graph_module = copy.deepcopy(graph_module)
+    graph = graph_module.graph
+    placeholders = graph.find_nodes(op="placeholder")
+    index_of = {node: i for i, node in enumerate(placeholders)}
+    # A weight the graph writes into would need its cast made after the write: leave those inside.
+    written = {n for node in graph.nodes if isinstance(node.target, OpOverload) for n in written_inputs(node)}
+    weight_names = set(weight_placeholders)
+    weights = [n for n in placeholders if n.name in weight_names and n not in written]
+    fed = []
+    for weight in weights:
+        for cast in [u for u in weight.users if _is_plain_cast_down(u)]:
+            with graph.inserting_after(placeholders[-1]):
+                placeholder = graph.placeholder(f"{weight.name}_{str(cast.kwargs['dtype']).removeprefix('torch.')}")
+            placeholder.meta = dict(cast.meta)
+            cast.replace_all_uses_with(placeholder)
+            graph.erase_node(cast)
+            placeholders.append(placeholder)
+            fed.append((index_of[weight], cast.kwargs["dtype"]))
+    graph.lint()
+    graph_module.recompile()
+    return graph_module, fed
+
+
+def _is_plain_cast_down(node) -> bool:
+    return node.target is _CAST_OP and set(node.kwargs) == {"dtype"} and node.kwargs["dtype"] in HALF_DTYPES
+
+
+class _GradientTimes(torch.autograd.Function):
+    """Identity forward; backward multiplies the FP32 gradient by `factor` as it is at backward time.
+
+    Under loss scaling in the graph the kept copies' gradients arrive scaled; this node, between the master
+    weight and its cast, divides them in float32 (after the cast up), by the loss scaling of the forward that
+    used the copy. The factor is updated in place before each such forward, hence not saved for backward.
+    """
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+        ctx.factor = factor
+        return weight.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.factor, None
+
+
+@dataclass
+class _Copy:
+    """One weight's low-precision copy and what the weight was when it was cast."""
+
+    low: torch.Tensor
+    version: int
+    data_ptr: int
+    requires_grad: bool
+    stale: bool = False
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, dtype: torch.dtype, gradient_factor: torch.Tensor | None = None) -> _Copy:
+        # Outside inference mode and with grad on: the copy serves every later forward and backward.
+        with torch.inference_mode(False), torch.enable_grad():
+            source = weight if gradient_factor is None else _GradientTimes.apply(weight, gradient_factor)
+            low = source.to(dtype)
+        return cls(low, weight._version, weight.data_ptr(), weight.requires_grad)
+
+    def holds(self, weight: torch.Tensor) -> bool:
+        """Whether the copy can be recast in place: same storage, device, shape and requires_grad."""
+        return (
+            self.data_ptr == weight.data_ptr()
+            and self.requires_grad == weight.requires_grad
+            and self.low.device == weight.device
+            and self.low.shape == weight.shape
+        )
+
+
+class WeightCache:
+    """Low-precision copies of parameters, keyed by parameter and dtype, recast when a parameter changes.
+
+    Only `nn.Parameter` objects are cached; other tensors (`torch.func.functional_call`'s) are cast afresh.
+    """
+
+    def __init__(self) -> None:
+        self._copies = WeakIdKeyDictionary()  # parameter -> {(dtype, scaled in the graph): _Copy}
+        self._factors: dict[torch.device, torch.Tensor] = {}  # 1/scale under loss scaling in the graph
+        self.static_addresses = False  # mark copies for CUDA graphs (compile mode "reduce-overhead")
+        _install_step_hook()
+        _caches.add(self)
+
+    def casts_of(
+        self, weights: list[tuple[torch.Tensor, torch.dtype]], gradient_factor: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
+        """Each weight cast to its dtype: the kept copy, recast first if the weight changed since.
+
+        Args:
+            weights: (parameter, dtype) pairs, as the graph takes them.
+            gradient_factor: under loss scaling in the graph, 1/scale of this forward: the copies' gradients
+                are multiplied by it in float32, on their way back to the master weights.
+        """
+        factor = self._factor_for(gradient_factor)
+        casts, stale = [], {}
+        for weight, dtype in weights:
+            if type(weight) is not nn.Parameter:
+                source = weight if factor is None else _GradientTimes.apply(weight, factor)
+                casts.append(source.to(dtype))
+                continue
+            copies = self._copies.get(weight)
+            if copies is None:
+                copies = self._copies[weight] = {}
+            key = (dtype, factor is not None)
+            kept = copies.get(key)
+            if kept is None or not kept.holds(weight):
+                kept = copies[key] = _Copy.of(weight, dtype, factor)
+                if self.static_addresses:
+                    torch._dynamo.mark_static_address(kept.low)
+            elif kept.stale or kept.version != weight._version:
+                stale[id(kept)] = (kept, weight)
+            casts.append(kept.low)
+        if stale:
+            _recast([kept for kept, _ in stale.values()], [weight for _, weight in stale.values()])
+        return casts
+
+    def _factor_for(self, gradient_factor: torch.Tensor | None) -> torch.Tensor | None:
+        """The one factor tensor the kept copies' backward reads, set to this forward's value."""
+        if gradient_factor is None:
+            return None
+        kept = self._factors.get(gradient_factor.device)
+        if kept is None:
+            kept = self._factors[gradient_factor.device] = gradient_factor.detach().clone()
+        else:
+            kept.copy_(gradient_factor)
+        return kept
+
+    def mark_trained_stale(self) -> None:
+        """Recast the copies of weights that require grad at their next use (an optimizer stepped)."""
+        for copies in self._copies.values():
+            for kept in copies.values():
+                kept.stale = kept.stale or kept.requires_grad
+
+    def clear(self) -> None:
+        """Drop every copy; the next forward casts afresh (after writes through `param.data`)."""
+        self._copies = WeakIdKeyDictionary()
+
+    def kept_copies(self) -> list[torch.Tensor]:
+        """The low-precision copies held now."""
+        return [kept.low for copies in self._copies.values() for kept in copies.values()]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the copies: what the cache costs in memory between forwards."""
+        return sum(low.nbytes for low in self.kept_copies())
+
+    def __len__(self) -> int:
+        return sum(len(copies) for copies in self._copies.values())
+
+    def __getstate__(self) -> dict:
+        return {"static_addresses": self.static_addresses}  # copies are not state: a copy recasts
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()
+        self.static_addresses = state["static_addresses"]
+
+
+def _recast(copies: list[_Copy], weights: list[torch.Tensor]) -> None:
+    """Copy the weights into their low copies in place, one foreach kernel per device and dtype."""
+    with torch.inference_mode(False), torch.no_grad():
+        torch._foreach_copy_([kept.low for kept in copies], weights)
+    for kept, weight in zip(copies, weights):
+        kept.version = weight._version
+        kept.stale = False
+
+
+def _after_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    for cache in list(_caches):
+        cache.mark_trained_stale()
+
+
+def _install_step_hook() -> None:
+    global _step_hook
+    if _step_hook is None:
+        _step_hook = register_optimizer_step_post_hook(_after_optimizer_step)
