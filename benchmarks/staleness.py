@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_step import device_name, timed  # noqa: E402
 
 import graphamp  # noqa: E402
-from graphamp.fingerprint import module_fingerprint  # noqa: E402
+from graphamp.runtime.fingerprint import module_fingerprint  # noqa: E402
 
 
 def fingerprint_us(model, calls: int) -> float:

@@ -20,7 +20,7 @@ from graphamp.inspection.export_files import export
 from graphamp.lists import AutoMixedPrecisionLists, Decision
 from graphamp.loss_scaler import LossScaler
 from graphamp.optimizer import OptimizerWithMixedPrecision, decorate
-from graphamp.weight_cache import WeightCache
+from graphamp.runtime.weight_cache import WeightCache
 
 _renamed.install()
 

@@ -3,7 +3,7 @@
 `rewrite(model, ...)` captures the model, runs the cast pass and returns an `AmpModule`. Each train/eval
 mode and input signature (dtypes, devices, keyword names, non-tensor values) gets its own capture, kept in a
 small cache: torch.export's `ep.module()` cannot switch modes, so graphamp captures per mode. Sizes follow
-the "automatic dynamic" rule of graphamp.shapes: a signature's second size gets one capture with dynamic dims.
+the "automatic dynamic" rule of graphamp.runtime.shapes: a signature's second size gets one capture with dynamic dims.
 """
 
 from __future__ import annotations
@@ -21,19 +21,19 @@ from torch import nn
 
 from graphamp.capture import Captured, capture
 from graphamp.cast_pass import RewriteReport, check_level, insert_casts
-from graphamp.checkpointing import checkpointed, marking_checkpoints, matching_modules
-from graphamp.compiled import CompiledGraph
+from graphamp.runtime.checkpointing import checkpointed, marking_checkpoints, matching_modules
+from graphamp.runtime.compiled import CompiledGraph
 from graphamp.dtypes import HALF_DTYPES, check_dtype_runs_on, dtype_name
 from graphamp.errors import ArgumentError, DoubleAmpError
-from graphamp.in_graph_scaling import register_parameters, run_scaled
-from graphamp.generation import generate
-from graphamp.fingerprint import module_fingerprint
+from graphamp.runtime.in_graph_scaling import register_parameters, run_scaled
+from graphamp.runtime.generation import generate
+from graphamp.runtime.fingerprint import module_fingerprint
 from graphamp.lists import AutoMixedPrecisionLists
-from graphamp.module_hooks import check_backward_hooks, noting_side_effect_hooks
-from graphamp.progress import Progress
-from graphamp.regions import Regions, check_sharding, region_paths
-from graphamp.shapes import InputGuard, InputSignature, is_dynamic, signature_of, specialized_dims, without_defaults
-from graphamp.weight_cache import WeightCache, feed_weight_casts
+from graphamp.runtime.module_hooks import check_backward_hooks, noting_side_effect_hooks
+from graphamp.runtime.progress import Progress
+from graphamp.runtime.regions import Regions, check_sharding, region_paths
+from graphamp.runtime.shapes import InputGuard, InputSignature, is_dynamic, signature_of, specialized_dims, without_defaults
+from graphamp.runtime.weight_cache import WeightCache, feed_weight_casts
 
 __all__ = ["AmpModule", "rewrite"]
 

@@ -20,7 +20,7 @@ from torch import nn
 from torch.export.graph_signature import InputKind, OutputKind
 
 from graphamp.errors import CaptureError
-from graphamp.shapes import automatic_dynamic_dims
+from graphamp.runtime.shapes import automatic_dynamic_dims
 
 __all__ = ["Captured", "LiftedInput", "capture", "explain_capture_failure"]
 
@@ -70,7 +70,7 @@ def capture(
     """Export `model` on (args, kwargs) in its current train/eval mode; raise CaptureError if it cannot be.
 
     preserve_module_call_signature: module paths whose calls' inputs and outputs are recorded in `module_calls`.
-    dynamic: leave every dim of the tensor inputs symbolic where the model allows (graphamp.shapes).
+    dynamic: leave every dim of the tensor inputs symbolic where the model allows (graphamp.runtime.shapes).
     """
     args, kwargs = _ordinary_tensors((args, kwargs))
     try:

@@ -9,7 +9,7 @@ import torch
 
 from graphamp.errors import LossScalingError
 from graphamp.dtypes import HALF_DTYPES, dtype_name, resolve_dtype
-from graphamp.in_graph_scaling import link
+from graphamp.runtime.in_graph_scaling import link
 from graphamp.loss_scaler import LossScaler
 
 __all__ = ["OptimizerWithMixedPrecision", "decorate"]

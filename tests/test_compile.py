@@ -14,7 +14,7 @@ import graphamp
 import models
 from training import relative_error
 from graphamp import AutoMixedPrecisionLists
-from graphamp.compiled import BACKWARD_PHASE, FORWARD_PHASE
+from graphamp.runtime.compiled import BACKWARD_PHASE, FORWARD_PHASE
 from graphamp.amp_module import CAPTURE_PHASE, CAST_PASS_PHASE
 
 BF16 = AutoMixedPrecisionLists(dtype="bfloat16")
@@ -137,7 +137,7 @@ def test_progress_false_prints_nothing(capfd):
 def test_by_default_only_a_phase_still_running_after_the_threshold_is_announced(monkeypatch, capsys):
     import time
 
-    from graphamp import progress
+    from graphamp.runtime import progress
 
     monkeypatch.setattr(progress, "SLOW_PHASE_S", 0.05)
     reporter = progress.Progress()

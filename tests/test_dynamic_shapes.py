@@ -64,7 +64,7 @@ def test_dynamic_capture_gives_the_static_capture_outputs_and_gradients(bf16, se
     dynamic_loss = dynamic(input_ids=ids, labels=ids).loss
     dynamic_loss.backward()
 
-    assert graphamp.shapes.is_dynamic(dynamic.graph_module) and not graphamp.shapes.is_dynamic(static.graph_module)
+    assert graphamp.runtime.shapes.is_dynamic(dynamic.graph_module) and not graphamp.runtime.shapes.is_dynamic(static.graph_module)
     assert relative_error(dynamic_loss, static_loss) < 1e-6
     for parameter, expected in zip(model.parameters(), static_grads):
         assert relative_error(parameter.grad, expected) < 1e-5
@@ -95,7 +95,7 @@ def test_dynamic_false_captures_each_shape(bf16):
         amp(input_ids=token_batch(2, length))
 
     assert len(amp.captures) == 4
-    assert not any(graphamp.shapes.is_dynamic(c.graph_module) for c in amp.captures)
+    assert not any(graphamp.runtime.shapes.is_dynamic(c.graph_module) for c in amp.captures)
 
 
 def test_a_size_outside_the_dynamic_range_gets_a_capture_of_its_own(bf16):

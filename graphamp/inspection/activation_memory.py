@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from graphamp.in_graph_scaling import amp_modules_of
+from graphamp.runtime.in_graph_scaling import amp_modules_of
 
 __all__ = ["saved_activation_bytes"]
 

@@ -14,7 +14,7 @@ import weakref
 import torch
 from torch._dynamo.callback import CallbackArgs, CallbackTrigger, callback_handler
 
-from graphamp.progress import Progress
+from graphamp.runtime.progress import Progress
 
 __all__ = ["BACKWARD_PHASE", "FORWARD_PHASE", "CompiledGraph"]
 

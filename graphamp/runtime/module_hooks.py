@@ -3,7 +3,7 @@
 Non-strict torch.export calls every module through `nn.Module.__call__`, so forward pre-hooks and forward
 hooks (with or without kwargs) run while graphamp captures: what they do to values (a returned replacement,
 an in-place edit, a tensor they hand to forward's outputs) is in the graph and runs on every call, and adding
-or removing one makes the next call recapture (graphamp.fingerprint). Backward hooks on submodules cannot be
+or removing one makes the next call recapture (graphamp.runtime.fingerprint). Backward hooks on submodules cannot be
 honoured: the graph's backward is autograd's over the aten ops, with no module boundary left to call them at.
 """
 

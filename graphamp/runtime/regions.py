@@ -24,7 +24,7 @@ from torch import nn
 from torch.export.graph_signature import TensorArgument
 
 from graphamp.capture import Captured, LiftedInput
-from graphamp.compiled import CompiledGraph
+from graphamp.runtime.compiled import CompiledGraph
 from graphamp.errors import CaptureError
 from graphamp.lists import Decision
 

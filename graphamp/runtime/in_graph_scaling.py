@@ -109,7 +109,7 @@ def run_scaled(run, inputs: list, scale: torch.Tensor, weight_casts=None):
     input requiring grad (the master weights, an `inputs_embeds`) divided by it: transparent from outside.
 
     weight_casts: for a weight-cache graph, `weight_casts(1/scale)` gives the low-precision weights it takes after
-    `inputs`; their gradients are divided in float32, after the cast up (graphamp.weight_cache), since a division
+    `inputs`; their gradients are divided in float32, after the cast up (graphamp.runtime.weight_cache), since a division
     in float16 would flush the small gradients the scaling is there to keep.
     """
     up, down = _scaling_factors(scale)
