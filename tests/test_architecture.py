@@ -41,9 +41,9 @@ def test_no_public_function_shares_its_name_with_a_submodule():
 
 
 def test_every_public_module_declares_all():
-    missing = [name for name in graphamp_modules() if not name.rpartition(".")[2].startswith("_")
-               and not hasattr(importlib.import_module(name), "__all__")
-               and not name.endswith(TOOLS)]
+    modules = [importlib.import_module(name) for name in graphamp_modules() if not name.rpartition(".")[2].startswith("_")]
+    # Subpackages (inspection, diagnosis, runtime) are folders with a docstring; their modules declare __all__.
+    missing = [m.__name__ for m in modules if not hasattr(m, "__all__") and not hasattr(m, "__path__")]
     assert missing == []
 
 
