@@ -32,6 +32,9 @@ from graphamp.lists import BLACK, GRAY, WHITE, AutoMixedPrecisionLists, Decision
 __all__ = ["RewriteReport", "insert_casts"]
 
 aten = torch.ops.aten
+# torch.autocast(..., enabled=False) captures as this higher-order op around a sub-graph.
+AUTOCAST_REGION = getattr(torch.ops.higher_order, "wrap_with_autocast", None)
+MODEL_FP32_REGION = "model: autocast(enabled=False)"
 CAST_OP = aten._to_copy.default
 LEVELS = ("O1", "O2")
 
@@ -97,13 +100,15 @@ def module_path(node: Node) -> str:
 class _CastPass:
     """The walk over one graph; higher-order ops' sub-graphs get a walk of their own."""
 
-    def __init__(self, graph_module, amp_lists, level, report, fp32_placeholders=frozenset()):
+    def __init__(self, graph_module, amp_lists, level, report, fp32_placeholders=frozenset(), fp32_region=False):
         self.graph_module = graph_module
         self.graph = graph_module.graph
         self.amp_lists = amp_lists
         self.low = amp_lists.dtype
         self.level = level
         self.report = report
+        # Inside a region the model keeps FP32 (autocast disabled), every op runs as traced, as under autocast.
+        self.fp32_region = fp32_region
         # The dtype each value had when traced (a tuple of dtypes for multi-output ops).
         self.traced_dtype = {node: _dtype_signature(node.meta.get("val")) for node in self.graph.nodes}
         self.never_cast_down = {n for n in self.graph.nodes if n.op == "placeholder" and n.name in fp32_placeholders}
@@ -138,6 +143,8 @@ class _CastPass:
         op = node.target
         if op in MODEL_CAST_OPS or has_explicit_float_dtype(node):
             return Decision.EXPLICIT_CAST, "model"
+        if self.fp32_region:
+            return Decision.EXPLICIT_CAST, MODEL_FP32_REGION
         pattern = self.amp_lists.black_module_for(module_path(node))
         if pattern is not None:
             return BLACK, pattern.source
@@ -179,15 +186,20 @@ class _CastPass:
         self._refresh_meta(node)
 
     def _visit_higher_order(self, node: Node) -> None:
-        """torch.cond, no_grad regions and the like: operands cross in their traced dtype, bodies are rewritten."""
+        """torch.cond, no_grad regions and the like: operands cross in their traced dtype, bodies are rewritten
+        (left as traced inside an autocast-disabled region)."""
         self.report.decisions[Decision.HIGHER_ORDER] += 1
-        node.meta["graphamp"] = {"decision": Decision.HIGHER_ORDER, "source": "", "module": module_path(node)}
+        fp32_region = _autocast_enabled(node) is False or (self.fp32_region and _autocast_enabled(node) is None)
+        source = MODEL_FP32_REGION if fp32_region else ""
+        node.meta["graphamp"] = {"decision": Decision.HIGHER_ORDER, "source": source, "module": module_path(node)}
         replace = {}
         for value in node.all_input_nodes:
             if value.op == "get_attr":
                 body = getattr(self.graph_module, value.target)
                 if isinstance(body, GraphModule):
-                    _CastPass(body, self.amp_lists, self.level, self.report).run(restore_outputs=True)
+                    _CastPass(
+                        body, self.amp_lists, self.level, self.report, fp32_region=fp32_region
+                    ).run(restore_outputs=True)
             elif _is_castable(value) and node_dtype(value) != self.traced_dtype.get(value):
                 replace[value] = self._cast(value, self.traced_dtype[value], node)
         if replace:
@@ -275,6 +287,16 @@ class _CastPass:
         args, kwargs = map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
         with self.fake_mode:
             return node.target(*args, **kwargs)
+
+
+def _autocast_enabled(node: Node) -> bool | None:
+    """For a `torch.autocast(...)` region: whether it enables autocast (any device type); None for other ops.
+
+    A region disabled for CUDA is kept FP32 on every device: the graph does not know where it will run, and the
+    model said that code needs FP32."""
+    if AUTOCAST_REGION is None or node.target is not AUTOCAST_REGION:
+        return None
+    return bool(node.args[2])
 
 
 def _dtype_signature(value):
