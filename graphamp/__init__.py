@@ -12,7 +12,9 @@ from graphamp.amp_module import AmpModule, rewrite
 from graphamp.cast_pass import RewriteReport
 from graphamp.diagnosis.auto_lists import AutoListsResult, auto_mixed_precision
 from graphamp.diagnosis.diagnose import DoctorReport, doctor
-from graphamp.errors import CaptureError, ExportError, GraphampError, ListFileError, LossScalingError
+from graphamp.errors import (
+    CaptureError, ExportError, GraphampError, ListFileError, LossScalingError, RewriteError,
+)
 from graphamp.inspection.export_files import export
 from graphamp.lists import AutoMixedPrecisionLists, Decision
 from graphamp.loss_scaler import LossScaler
@@ -33,6 +35,7 @@ __all__ = [
     "LossScaler",
     "LossScalingError",
     "OptimizerWithMixedPrecision",
+    "RewriteError",
     "RewriteReport",
     "__version__",
     "auto_mixed_precision",

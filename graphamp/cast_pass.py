@@ -11,6 +11,7 @@ a reshape's cast is the reshape of its input's cast.
 
 from __future__ import annotations
 
+import math
 import operator
 from contextlib import nullcontext
 from collections import Counter
@@ -24,9 +25,10 @@ from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
 from graphamp.aten_ops import (
-    MODEL_CAST_OPS, RESHAPE_OPS, TRACE_ASSERTS, has_explicit_float_dtype, norm_parameter_inputs, written_inputs,
+    MODEL_CAST_OPS, RESHAPE_OPS, TRACE_ASSERTS, argument_value, has_explicit_float_dtype, norm_parameter_inputs, written_inputs,
 )
 from graphamp.dtypes import HALF_DTYPES, dtype_name
+from graphamp.errors import RewriteError
 from graphamp.lists import BLACK, GRAY, WHITE, AutoMixedPrecisionLists, Decision, op_lookup_keys
 
 __all__ = ["RewriteReport", "insert_casts"]
@@ -184,6 +186,8 @@ class _CastPass:
         for value in mutated:  # an in-place op makes earlier casts of its target stale
             self._forget_casts_of(value)
         self._refresh_meta(node)
+        if node_dtype(node) in HALF_DTYPES and node_dtype(node) != self.traced_dtype.get(node):
+            _clamp_scalars_to_range(node, node_dtype(node))
 
     def _visit_higher_order(self, node: Node) -> None:
         """torch.cond, no_grad regions and the like: operands cross in their traced dtype, bodies are rewritten
@@ -280,13 +284,48 @@ class _CastPass:
         """Recompute node.meta['val'] on fake tensors when an input's dtype changed, so it stays true."""
         if all(_dtype_signature(n.meta.get("val")) == self.traced_dtype.get(n) for n in node.all_input_nodes):
             return
-        node.meta["val"] = self._run_on_fake_values(node)
+        try:
+            node.meta["val"] = self._run_on_fake_values(node)
+        except Exception as error:  # the op has no kernel for these dtypes: say which op, and the fix
+            raise RewriteError(cannot_run_message(node, error)) from error
 
     def _run_on_fake_values(self, node: Node):
         """What `node` returns on its inputs' meta values: shapes and dtypes, no data."""
         args, kwargs = map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
         with self.fake_mode:
             return node.target(*args, **kwargs)
+
+
+def cannot_run_message(node: Node, error: Exception) -> str:
+    """Which op failed on which dtypes, where, what decided them, and the fix (for the rewrite and the doctor)."""
+    mark = node.meta.get("graphamp", {})
+    dtypes = ", ".join(sorted({dtype_name(node_dtype(n)) for n in node.all_input_nodes if _is_castable(n)}))
+    entry = op_lookup_keys(node.target)[1] if isinstance(node.target, OpOverload) else str(node.target)
+    decided = f" ({mark['decision']}, {mark['source']})" if mark.get("source") else ""
+    first_line = (str(error).strip().splitlines() or [""])[0]
+    return (
+        f"{node.name} = {node.target} in {mark.get('module') or '(top level)'}{decided} cannot run on {dtypes} "
+        f"inputs: {first_line}. Fix: keep it FP32 with custom_black_list=['{entry}'] (or take it off white.txt)."
+    )
+
+
+def _clamp_scalars_to_range(node: Node, dtype: torch.dtype) -> None:
+    """An op the pass made run low keeps the meaning of its number arguments beyond that dtype's range.
+
+    HF writes "minus infinity" as `torch.finfo(float32).min` (`masked_fill(scores, mask, -3.4e38)`), which
+    bfloat16 and float16 kernels refuse; the low dtype's own finite min/max means the same there."""
+    limit = torch.finfo(dtype).max
+    for argument in node.target._schema.arguments:
+        if not isinstance(argument.type, torch.NumberType):
+            continue
+        value = argument_value(node, argument, None)
+        if isinstance(value, float) and math.isfinite(value) and abs(value) > limit:
+            clamped = math.copysign(limit, value)
+            if argument.name in node.kwargs:
+                node.kwargs = {**node.kwargs, argument.name: clamped}
+            else:
+                index = node.target._schema.arguments.index(argument)
+                node.args = (*node.args[:index], clamped, *node.args[index + 1:])
 
 
 def _autocast_enabled(node: Node) -> bool | None:

@@ -19,3 +19,7 @@ class LossScalingError(GraphampError, RuntimeError):
 
 class ExportError(GraphampError, RuntimeError):
     """export() could not write one of its files (Graphviz missing or failing); the message says the fix."""
+
+
+class RewriteError(GraphampError, RuntimeError):
+    """An op cannot run in the dtype the lists give it (no low-precision kernel); the message names the op's entry."""
