@@ -17,6 +17,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 import graphamp
+from graphamp.dtypes import cpu_runs_bfloat16_natively
 
 
 class DigitsCNN(nn.Module):
@@ -107,6 +108,8 @@ def main():
         f"{'graphamp ' + dtype:<22}{accuracy(amp_model, test_data):>15.3f}{amp_loss:>12.4f}"
         f"{1e3 * amp_step:>12.2f}{fp32_step / amp_step:>10.2f}"
     )
+    if device.type == "cpu" and dtype == "bfloat16" and not cpu_runs_bfloat16_natively():
+        print("(this CPU has no native bfloat16 (AVX512-BF16/AMX): bfloat16 runs emulated, slower than FP32 here)")
     print(amp_model.report)
     print(f"loss scale {optimizer.get_loss_scaling():g}, skipped steps {optimizer.skipped_steps}")
 

@@ -147,7 +147,8 @@ def explain_capture_failure(model: nn.Module, error: Exception) -> str:
     if type(error).__name__ in ("GuardOnDataDependentSymNode", "UserError") and "data-dependent" in text:
         return (
             f"cannot capture {name}: Python control flow depends on a tensor's value{at} (an `if`, `int()` or "
-            f"`.item()` on a tensor). Fix: express it with torch.cond / torch.where, or compute it outside forward."
+            f"`.item()` on a tensor). Fix: express it with torch.cond / torch.where, or compute it outside forward; "
+            f"for a transformers model given `labels`, call it without them and compute the loss from the logits."
         )
     first_line = text.strip().splitlines()[0] if text.strip() else type(error).__name__
     return (

@@ -78,12 +78,15 @@ def _split_overload(entry: str) -> tuple[str, str | None]:
     return qualified, (overload if dot else None)
 
 
-def check_op_name(entry: str, where: str) -> None:
-    """Raise ListFileError for an op torch does not know; warn for a custom op not registered yet."""
+def check_op_name(entry: str, where: str, warn_unregistered: bool = True) -> None:
+    """Raise ListFileError for an op torch does not know; warn for a custom op not registered yet (unless
+    `warn_unregistered` is False: the shipped lists name library ops, like transformers', that few models load)."""
     qualified, overload = _split_overload(entry)
     schemas = torch._C._jit_get_schemas_for_operator(qualified)
     if not schemas:
         if not qualified.startswith("aten::"):
+            if not warn_unregistered:
+                return
             warnings.warn(
                 f"{where}: custom op '{entry}' is not registered (yet); it is kept, and applies once "
                 f"torch.library registers it before the model is rewritten.",
@@ -150,7 +153,7 @@ class AutoMixedPrecisionLists:
                 continue  # a user's folder may leave a color empty
             for entry, where in read_list_file(path, self.dtype, self._display(path)):
                 name = canonical_op_name(entry)
-                check_op_name(name, where)
+                check_op_name(name, where, warn_unregistered=self.lists_dir != default_lists_dir())
                 earlier = self._entries.get(name)
                 if earlier is not None:
                     raise ListFileError(
