@@ -128,7 +128,7 @@ class AmpModule(nn.Module):
     def _capture(self, args: tuple, kwargs: dict) -> Captured:
         timings = {}
         with self.progress.phase(CAPTURE_PHASE, timings):
-            captured = capture(self._original, args, kwargs)
+            captured = capture(self._original, args, kwargs, self.amp_lists.promote_ops)
         with self.progress.phase(CAST_PASS_PHASE, timings):
             captured.report = insert_casts(
                 captured.graph_module, self.amp_lists, self.level, self.fp32_outputs,

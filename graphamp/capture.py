@@ -19,6 +19,9 @@ from torch import nn
 from torch.export.graph_signature import InputKind, OutputKind
 
 from graphamp.errors import CaptureError
+from graphamp.list_files import default_lists_dir
+from graphamp.lists import read_promote_ops
+from graphamp.type_promotion import PromoteMixedInputs
 
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
 _GRAPHAMP_DIR = str(Path(__file__).resolve().parent)
@@ -56,12 +59,19 @@ class Captured:
     training: bool = True  # the model's mode when captured
 
 
-def capture(model: nn.Module, args: tuple, kwargs: dict) -> Captured:
-    """Export `model` on (args, kwargs) in its current train/eval mode; raise CaptureError if it cannot be."""
+def capture(model: nn.Module, args: tuple, kwargs: dict, promote_ops: frozenset[str] | None = None) -> Captured:
+    """Export `model` on (args, kwargs) in its current train/eval mode; raise CaptureError if it cannot be.
+
+    promote_ops: ops whose mixed floating inputs are cast to the widest, as autocast does (default: the
+    shipped lists/promote.txt).
+    """
     args, kwargs = _ordinary_tensors((args, kwargs))
+    if promote_ops is None:
+        promote_ops = read_promote_ops(default_lists_dir(), torch.float32, "lists/promote.txt")
     try:
         # Grad mode is fixed so that one graph serves calls under no_grad/inference_mode too.
-        with torch.inference_mode(False), torch.enable_grad(), warnings.catch_warnings():
+        with torch.inference_mode(False), torch.enable_grad(), warnings.catch_warnings(), \
+                PromoteMixedInputs(promote_ops):
             # nn.RNN keeps a Python list of its own parameters; export flags it, but they are parameters.
             warnings.filterwarnings("ignore", message=r"The tensor attributes self\..*_flat_weights")
             program = torch.export.export(model, tuple(args), kwargs, strict=False)

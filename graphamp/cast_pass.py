@@ -177,7 +177,8 @@ class _CastPass:
         left_alone = mutated | norm_parameter_inputs(node)
         floats = [n for n in node.all_input_nodes if _is_castable(n) and n not in left_alone]
         target = None if decision == Decision.EXPLICIT_CAST else self._target_dtype(decision, floats)
-        if target == torch.float32 and decision in (GRAY, Decision.UNLISTED) and self._promotes_to_fp32(node):
+        promotes = isinstance(node.target, OpOverload) and self.amp_lists.promotes(node.target)
+        if target == torch.float32 and decision in (GRAY, Decision.UNLISTED) and not promotes and self._promotes_to_fp32(node):
             target = None  # add(bf16, fp32) already computes in FP32 inside the kernel: a cast would only cost
         if target is not None:
             replace = {n: self._cast(n, target, node) for n in floats if self._needs_cast(n, target)}

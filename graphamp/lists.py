@@ -19,7 +19,7 @@ import torch
 
 from graphamp.dtypes import dtype_name, resolve_dtype
 from graphamp.errors import ListFileError
-from graphamp.list_files import BLACK_MODULES_FILE, OP_LIST_FILES, default_lists_dir, read_list_file
+from graphamp.list_files import BLACK_MODULES_FILE, OP_LIST_FILES, PROMOTE_FILE, default_lists_dir, read_list_file
 
 __all__ = ["AutoMixedPrecisionLists", "COLORS", "Decision", "ListEntry"]
 
@@ -78,14 +78,18 @@ def _split_overload(entry: str) -> tuple[str, str | None]:
     return qualified, (overload if dot else None)
 
 
-def check_op_name(entry: str, where: str, warn_unregistered: bool = True) -> None:
-    """Raise ListFileError for an op torch does not know; warn for a custom op not registered yet (unless
-    `warn_unregistered` is False: the shipped lists name library ops, like transformers', that few models load)."""
+# Namespaces the shipped lists name: their ops register when the library is imported, which a model using them
+# has done; a list that names them before (or without) that is expected, not a typo worth a warning.
+_LIBRARY_NAMESPACES = ("transformers::",)
+
+
+def check_op_name(entry: str, where: str) -> None:
+    """Raise ListFileError for an op torch does not know; warn for a custom op not registered yet."""
     qualified, overload = _split_overload(entry)
     schemas = torch._C._jit_get_schemas_for_operator(qualified)
     if not schemas:
         if not qualified.startswith("aten::"):
-            if not warn_unregistered:
+            if qualified.startswith(_LIBRARY_NAMESPACES):
                 return
             warnings.warn(
                 f"{where}: custom op '{entry}' is not registered (yet); it is kept, and applies once "
@@ -138,6 +142,7 @@ class AutoMixedPrecisionLists:
         self._apply_custom_lists(self.custom_lists)
         self.black_modules = self._read_black_modules(custom_black_modules)
         self.custom_black_modules = tuple(_as_names(custom_black_modules, "custom_black_modules"))
+        self.promote_ops = read_promote_ops(self.lists_dir, self.dtype, self._display(self.lists_dir / PROMOTE_FILE))
 
     # -- reading -------------------------------------------------------------------------------------------
     def _display(self, path: Path) -> str:
@@ -153,7 +158,7 @@ class AutoMixedPrecisionLists:
                 continue  # a user's folder may leave a color empty
             for entry, where in read_list_file(path, self.dtype, self._display(path)):
                 name = canonical_op_name(entry)
-                check_op_name(name, where, warn_unregistered=self.lists_dir != default_lists_dir())
+                check_op_name(name, where)
                 earlier = self._entries.get(name)
                 if earlier is not None:
                     raise ListFileError(
@@ -234,6 +239,10 @@ class AutoMixedPrecisionLists:
                 return entry
         return None
 
+    def promotes(self, op) -> bool:
+        """Whether mixed floating inputs of this OpOverload are cast to the widest of them (promote.txt)."""
+        return any(key in self.promote_ops for key in op_lookup_keys(op))
+
     def black_module_for(self, module_path: str) -> ListEntry | None:
         """The pattern that keeps `module_path` (or a module containing it) in FP32, if any."""
         if not self.black_modules or not module_path:
@@ -263,6 +272,18 @@ class AutoMixedPrecisionLists:
         custom = "".join(f", {e.source}+={e.name}" for e in sorted(customs, key=lambda e: e.name))
         modules = f", black_modules={[e.name for e in self.black_modules]}" if self.black_modules else ""
         return f"AutoMixedPrecisionLists(dtype={self.dtype_name}, {counts}{custom}{modules})"
+
+
+def read_promote_ops(lists_dir: Path, dtype: torch.dtype, display: str) -> frozenset[str]:
+    """The op names of a lists folder's promote.txt (none when the folder has no such file)."""
+    path = lists_dir / PROMOTE_FILE
+    if not path.exists():
+        return frozenset()
+    names = []
+    for entry, where in read_list_file(path, dtype, display):
+        check_op_name(canonical_op_name(entry), where)
+        names.append(canonical_op_name(entry))
+    return frozenset(names)
 
 
 def _as_names(values, argument: str) -> list[str]:
