@@ -25,7 +25,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
 from graphamp.aten_ops import (
-    MODEL_CAST_OPS, RESHAPE_OPS, TRACE_ASSERTS, argument_value, has_explicit_float_dtype, norm_parameter_inputs, written_inputs,
+    MODEL_CAST_OPS, NORM_OPS, RESHAPE_OPS, TRACE_ASSERTS, VIEW_OPS, argument_value, set_argument, has_explicit_float_dtype, norm_parameter_inputs, written_inputs,
 )
 from graphamp.dtypes import HALF_DTYPES, dtype_name
 from graphamp.errors import RewriteError
@@ -180,6 +180,8 @@ class _CastPass:
         promotes = isinstance(node.target, OpOverload) and self.amp_lists.promotes(node.target)
         if target == torch.float32 and decision in (GRAY, Decision.UNLISTED) and not promotes and self._promotes_to_fp32(node):
             target = None  # add(bf16, fp32) already computes in FP32 inside the kernel: a cast would only cost
+        if target == torch.float32 and decision == BLACK and self._fp32_inside_the_kernel(node, floats):
+            target = None
         if target is not None:
             replace = {n: self._cast(n, target, node) for n in floats if self._needs_cast(n, target)}
             if replace:
@@ -189,6 +191,46 @@ class _CastPass:
         self._refresh_meta(node)
         if node_dtype(node) in HALF_DTYPES and node_dtype(node) != self.traced_dtype.get(node):
             _clamp_scalars_to_range(node, node_dtype(node))
+
+    def _fp32_inside_the_kernel(self, node: Node, floats: list[Node]) -> bool:
+        """Whether a black op reads its low inputs as they are and computes in FP32 inside, with no cast kernel:
+        - a normalization whose output feeds only white ops (GEMMs): its kernel takes low X with FP32 weights and
+          statistics and accumulates in FP32, and its low output is what the next GEMM reads (autocast casts X
+          up and the result back down);
+        - an op with a `dtype` argument (sum, mean, softmax, cumsum): it is set to float32, which casts inside.
+        """
+        low = [n for n in floats if node_dtype(n) in HALF_DTYPES]
+        if not low:
+            return False
+        if op_lookup_keys(node.target)[1] in NORM_OPS:
+            return len(low) == len(floats) and self._feeds_only_white(node)
+        dtype_argument = next((a for a in node.target._schema.arguments if a.name == "dtype"), None)
+        if dtype_argument is None or argument_value(node, dtype_argument) is not None:
+            return False
+        set_argument(node, dtype_argument, torch.float32)
+        return True
+
+    def _feeds_only_white(self, node: Node) -> bool:
+        """Whether every op reading `node`'s (first) output, through getitems and reshapes, is white."""
+        readers = list(node.users)
+        if not readers:
+            return False
+        while readers:
+            reader = readers.pop()
+            if reader.op != "call_function":
+                return False
+            if reader.target is operator.getitem:
+                if reader.args[1] == 0:
+                    readers.extend(reader.users)
+            elif reader.target in RESHAPE_OPS or reader.target in VIEW_OPS:
+                readers.extend(reader.users)
+            elif not isinstance(reader.target, OpOverload):
+                return False
+            else:
+                entry = self.amp_lists.classify(reader.target)
+                if entry is None or entry.color != WHITE or self.amp_lists.black_module_for(module_path(reader)):
+                    return False
+        return True
 
     def _visit_higher_order(self, node: Node) -> None:
         """torch.cond, no_grad regions and the like: operands cross in their traced dtype, bodies are rewritten
@@ -321,12 +363,7 @@ def _clamp_scalars_to_range(node: Node, dtype: torch.dtype) -> None:
             continue
         value = argument_value(node, argument, None)
         if isinstance(value, float) and math.isfinite(value) and abs(value) > limit:
-            clamped = math.copysign(limit, value)
-            if argument.name in node.kwargs:
-                node.kwargs = {**node.kwargs, argument.name: clamped}
-            else:
-                index = node.target._schema.arguments.index(argument)
-                node.args = (*node.args[:index], clamped, *node.args[index + 1:])
+            set_argument(node, argument, math.copysign(limit, value))
 
 
 def _autocast_enabled(node: Node) -> bool | None:
