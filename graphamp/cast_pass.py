@@ -25,7 +25,8 @@ from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
 from graphamp.aten_ops import (
-    MODEL_CAST_OPS, NORM_OPS, RESHAPE_OPS, TRACE_ASSERTS, VIEW_OPS, argument_value, set_argument, has_explicit_float_dtype, norm_parameter_inputs, written_inputs,
+    MODEL_CAST_OPS, NORM_OPS, RESHAPE_OPS, TRACE_ASSERTS, VIEW_OPS, argument_value, has_explicit_float_dtype,
+    norm_parameter_inputs, set_argument, written_inputs,
 )
 from graphamp.dtypes import HALF_DTYPES, dtype_name
 from graphamp.errors import RewriteError
@@ -178,7 +179,8 @@ class _CastPass:
         floats = [n for n in node.all_input_nodes if _is_castable(n) and n not in left_alone]
         target = None if decision == Decision.EXPLICIT_CAST else self._target_dtype(decision, floats)
         promotes = isinstance(node.target, OpOverload) and self.amp_lists.promotes(node.target)
-        if target == torch.float32 and decision in (GRAY, Decision.UNLISTED) and not promotes and self._promotes_to_fp32(node):
+        follows_inputs = decision in (GRAY, Decision.UNLISTED)
+        if target == torch.float32 and follows_inputs and not promotes and self._promotes_to_fp32(node):
             target = None  # add(bf16, fp32) already computes in FP32 inside the kernel: a cast would only cost
         if target == torch.float32 and decision == BLACK and self._fp32_inside_the_kernel(node, floats):
             target = None
