@@ -22,6 +22,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 import graphamp
+from graphamp.dtypes import cpu_runs_bfloat16_natively
 
 
 class DigitsCNN(nn.Module):
@@ -140,6 +141,8 @@ def main():
     for name, (model, (times, loss)) in runs.items():
         step = statistics.median(times)
         print(f"{name:<22}{accuracy(model, test_data):>15.3f}{loss:>12.4f}{1e3 * step:>12.2f}{fp32_step / step:>10.2f}")
+    if device.type == "cpu" and dtype == "bfloat16" and not cpu_runs_bfloat16_natively():
+        print("(this CPU has no native bfloat16 (AVX512-BF16/AMX): bfloat16 runs emulated, slower than FP32 here)")
     print(amp_model.report)
     print(f"loss scale {optimizer.get_loss_scaling():g}, skipped steps {optimizer.skipped_steps}")
 

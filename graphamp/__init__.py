@@ -14,7 +14,7 @@ from graphamp.diagnosis.auto_lists import AutoListsResult, auto_mixed_precision
 from graphamp.diagnosis.diagnose import DoctorReport, doctor
 from graphamp.errors import (
     ArgumentError, CaptureError, DoubleAmpError, ExportError, GraphampError, HookError, ListFileError,
-    LossScalingError,
+    LossScalingError, RewriteError,
 )
 from graphamp.inspection.export_files import export
 from graphamp.lists import AutoMixedPrecisionLists, Decision
@@ -40,6 +40,7 @@ __all__ = [
     "LossScaler",
     "LossScalingError",
     "OptimizerWithMixedPrecision",
+    "RewriteError",
     "RewriteReport",
     "WeightCache",
     "__version__",

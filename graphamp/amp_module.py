@@ -252,10 +252,15 @@ class AmpModule(nn.Module):
             noting_side_effect_hooks(self._original) as side_effect_hooks,
         ):
             if self._regions is None:
-                captured = capture(self._original, args, kwargs, dynamic=dynamic)
+                captured = capture(
+                    self._original, args, kwargs, dynamic=dynamic, promote_ops=self.amp_lists.promote_ops
+                )
             else:
                 with self._regions.capturing():
-                    captured = capture(self._original, args, kwargs, self._regions.paths, dynamic=dynamic)
+                    captured = capture(
+                        self._original, args, kwargs, self._regions.paths, dynamic=dynamic,
+                        promote_ops=self.amp_lists.promote_ops,
+                    )
         if side_effect_hooks:
             warnings.warn(
                 f"{'; '.join(side_effect_hooks)} returned None while graphamp captured the model: what it does to "

@@ -13,8 +13,8 @@ from torch.fx.node import map_arg
 from graphamp.lists import op_lookup_keys
 
 __all__ = [
-    "MODEL_CAST_OPS", "NORM_OPS", "RESHAPE_OPS", "TRACE_ASSERTS", "argument_value", "draws_random_numbers",
-    "has_explicit_float_dtype", "norm_parameter_inputs", "written_inputs",
+    "MODEL_CAST_OPS", "NORM_OPS", "RESHAPE_OPS", "TRACE_ASSERTS", "VIEW_OPS", "argument_value", "draws_random_numbers",
+    "has_explicit_float_dtype", "norm_parameter_inputs", "set_argument", "written_inputs",
 ]
 
 aten = torch.ops.aten
@@ -38,6 +38,9 @@ RESHAPE_OPS = {
     aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
     aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default,
 }
+# Ops that only re-index their input (a view): a normalization's output read through them still reaches its reader
+# in the low dtype unchanged.
+VIEW_OPS = {aten.permute.default, aten.transpose.int, aten.t.default, aten.contiguous.default, aten.expand.default}
 # export's checks that a `.to()` result has the traced dtype; after the rewrite the dtype may differ.
 TRACE_ASSERTS = {aten._assert_tensor_metadata.default}
 
@@ -53,6 +56,15 @@ def argument_value(node: Node, argument: torch._C.Argument, default=_NOT_GIVEN):
     if index < len(node.args):
         return node.args[index]
     return argument.default_value if default is _NOT_GIVEN else default
+
+
+def set_argument(node: Node, argument: torch._C.Argument, value) -> None:
+    """Pass `value` for one schema argument: in place of a positional one, else by keyword."""
+    index = node.target._schema.arguments.index(argument)
+    if index < len(node.args) and argument.name not in node.kwargs:
+        node.args = (*node.args[:index], value, *node.args[index + 1:])
+    else:
+        node.kwargs = {**node.kwargs, argument.name: value}
 
 
 def _inputs_where(node: Node, predicate) -> set[Node]:

@@ -20,7 +20,10 @@ from torch import nn
 from torch.export.graph_signature import InputKind, OutputKind
 
 from graphamp.errors import CaptureError
+from graphamp.list_files import default_lists_dir
+from graphamp.lists import read_promote_ops
 from graphamp.runtime.shapes import automatic_dynamic_dims
+from graphamp.type_promotion import PromoteMixedInputs
 
 __all__ = ["Captured", "LiftedInput", "capture", "explain_capture_failure"]
 
@@ -65,18 +68,28 @@ class Captured:
 
 
 def capture(
-    model: nn.Module, args: tuple, kwargs: dict, preserve_module_call_signature: tuple = (), dynamic: bool = False
+    model: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    preserve_module_call_signature: tuple = (),
+    dynamic: bool = False,
+    promote_ops: frozenset[str] | None = None,
 ) -> Captured:
     """Export `model` on (args, kwargs) in its current train/eval mode; raise CaptureError if it cannot be.
 
     preserve_module_call_signature: module paths whose calls' inputs and outputs are recorded in `module_calls`.
     dynamic: leave every dim of the tensor inputs symbolic where the model allows (graphamp.runtime.shapes).
+    promote_ops: ops whose mixed floating inputs are cast to the widest, as autocast does (default: the
+    shipped lists/promote.txt).
     """
     args, kwargs = _ordinary_tensors((args, kwargs))
+    if promote_ops is None:
+        promote_ops = read_promote_ops(default_lists_dir(), torch.float32, "lists/promote.txt")
     try:
         # Grad mode is fixed so that one graph serves calls under no_grad/inference_mode too.
         dims = automatic_dynamic_dims((args, kwargs)) if dynamic else contextlib.nullcontext()
-        with torch.inference_mode(False), torch.enable_grad(), warnings.catch_warnings(), dims:
+        with torch.inference_mode(False), torch.enable_grad(), warnings.catch_warnings(), dims, \
+                PromoteMixedInputs(promote_ops):
             # nn.RNN keeps a Python list of its own parameters; export flags it, but they are parameters.
             warnings.filterwarnings("ignore", message=r"The tensor attributes self\..*_flat_weights")
             program = torch.export.export(
@@ -166,7 +179,8 @@ def explain_capture_failure(model: nn.Module, error: Exception) -> str:
     if type(error).__name__ in ("GuardOnDataDependentSymNode", "UserError") and "data-dependent" in text:
         return (
             f"cannot capture {name}: Python control flow depends on a tensor's value{at} (an `if`, `int()` or "
-            f"`.item()` on a tensor). Fix: express it with torch.cond / torch.where, or compute it outside forward."
+            f"`.item()` on a tensor). Fix: express it with torch.cond / torch.where, or compute it outside forward; "
+            f"for a transformers model given `labels`, call it without them and compute the loss from the logits."
         )
     first_line = text.strip().splitlines()[0] if text.strip() else type(error).__name__
     return (

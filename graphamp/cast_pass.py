@@ -12,6 +12,7 @@ a reshape's cast is the reshape of its input's cast.
 from __future__ import annotations
 
 import logging
+import math
 import operator
 from contextlib import contextmanager, nullcontext
 from collections import Counter
@@ -25,14 +26,19 @@ from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
 from graphamp.aten_ops import (
-    MODEL_CAST_OPS, RESHAPE_OPS, TRACE_ASSERTS, has_explicit_float_dtype, norm_parameter_inputs, written_inputs,
+    MODEL_CAST_OPS, NORM_OPS, RESHAPE_OPS, TRACE_ASSERTS, VIEW_OPS, argument_value, has_explicit_float_dtype,
+    norm_parameter_inputs, set_argument, written_inputs,
 )
 from graphamp.dtypes import HALF_DTYPES, dtype_name
+from graphamp.errors import RewriteError
 from graphamp.lists import BLACK, GRAY, WHITE, AutoMixedPrecisionLists, Decision, op_lookup_keys
 
 __all__ = ["RewriteReport", "insert_casts"]
 
 aten = torch.ops.aten
+# torch.autocast(..., enabled=False) captures as this higher-order op around a sub-graph.
+AUTOCAST_REGION = getattr(torch.ops.higher_order, "wrap_with_autocast", None)
+MODEL_FP32_REGION = "model: autocast(enabled=False)"
 CAST_OP = aten._to_copy.default
 LEVELS = ("O1", "O2")
 
@@ -98,13 +104,15 @@ def module_path(node: Node) -> str:
 class _CastPass:
     """The walk over one graph; higher-order ops' sub-graphs get a walk of their own."""
 
-    def __init__(self, graph_module, amp_lists, level, report, fp32_placeholders=frozenset()):
+    def __init__(self, graph_module, amp_lists, level, report, fp32_placeholders=frozenset(), fp32_region=False):
         self.graph_module = graph_module
         self.graph = graph_module.graph
         self.amp_lists = amp_lists
         self.low = amp_lists.dtype
         self.level = level
         self.report = report
+        # Inside a region the model keeps FP32 (autocast disabled), every op runs as traced, as under autocast.
+        self.fp32_region = fp32_region
         # The dtype each value had when traced (a tuple of dtypes for multi-output ops).
         self.traced_dtype = {node: _dtype_signature(node.meta.get("val")) for node in self.graph.nodes}
         self.never_cast_down = {n for n in self.graph.nodes if n.op == "placeholder" and n.name in fp32_placeholders}
@@ -139,6 +147,8 @@ class _CastPass:
         op = node.target
         if op in MODEL_CAST_OPS or has_explicit_float_dtype(node):
             return Decision.EXPLICIT_CAST, "model"
+        if self.fp32_region:
+            return Decision.EXPLICIT_CAST, MODEL_FP32_REGION
         pattern = self.amp_lists.black_module_for(module_path(node))
         if pattern is not None:
             return BLACK, pattern.source
@@ -169,8 +179,12 @@ class _CastPass:
         left_alone = mutated | norm_parameter_inputs(node)
         floats = [n for n in node.all_input_nodes if _is_castable(n) and n not in left_alone]
         target = None if decision == Decision.EXPLICIT_CAST else self._target_dtype(decision, floats)
-        if target == torch.float32 and decision in (GRAY, Decision.UNLISTED) and self._promotes_to_fp32(node):
+        promotes = isinstance(node.target, OpOverload) and self.amp_lists.promotes(node.target)
+        follows_inputs = decision in (GRAY, Decision.UNLISTED)
+        if target == torch.float32 and follows_inputs and not promotes and self._promotes_to_fp32(node):
             target = None  # add(bf16, fp32) already computes in FP32 inside the kernel: a cast would only cost
+        if target == torch.float32 and decision == BLACK and self._fp32_inside_the_kernel(node, floats):
+            target = None
         if target is not None:
             replace = {n: self._cast(n, target, node) for n in floats if self._needs_cast(n, target)}
             if replace:
@@ -178,17 +192,64 @@ class _CastPass:
         for value in mutated:  # an in-place op makes earlier casts of its target stale
             self._forget_casts_of(value)
         self._refresh_meta(node)
+        if node_dtype(node) in HALF_DTYPES and node_dtype(node) != self.traced_dtype.get(node):
+            _clamp_scalars_to_range(node, node_dtype(node))
+
+    def _fp32_inside_the_kernel(self, node: Node, floats: list[Node]) -> bool:
+        """Whether a black op reads its low inputs as they are and computes in FP32 inside, with no cast kernel:
+        - a normalization whose output feeds only white ops (GEMMs): its kernel takes low X with FP32 weights and
+          statistics and accumulates in FP32, and its low output is what the next GEMM reads (autocast casts X
+          up and the result back down);
+        - an op with a `dtype` argument (sum, mean, softmax, cumsum): it is set to float32, which casts inside.
+        """
+        low = [n for n in floats if node_dtype(n) in HALF_DTYPES]
+        if not low:
+            return False
+        if op_lookup_keys(node.target)[1] in NORM_OPS:
+            return len(low) == len(floats) and self._feeds_only_white(node)
+        dtype_argument = next((a for a in node.target._schema.arguments if a.name == "dtype"), None)
+        if dtype_argument is None or argument_value(node, dtype_argument) is not None:
+            return False
+        set_argument(node, dtype_argument, torch.float32)
+        return True
+
+    def _feeds_only_white(self, node: Node) -> bool:
+        """Whether every op reading `node`'s (first) output, through getitems and reshapes, is white."""
+        readers = list(node.users)
+        if not readers:
+            return False
+        while readers:
+            reader = readers.pop()
+            if reader.op != "call_function":
+                return False
+            if reader.target is operator.getitem:
+                if reader.args[1] == 0:
+                    readers.extend(reader.users)
+            elif reader.target in RESHAPE_OPS or reader.target in VIEW_OPS:
+                readers.extend(reader.users)
+            elif not isinstance(reader.target, OpOverload):
+                return False
+            else:
+                entry = self.amp_lists.classify(reader.target)
+                if entry is None or entry.color != WHITE or self.amp_lists.black_module_for(module_path(reader)):
+                    return False
+        return True
 
     def _visit_higher_order(self, node: Node) -> None:
-        """torch.cond, no_grad regions and the like: operands cross in their traced dtype, bodies are rewritten."""
+        """torch.cond, no_grad regions and the like: operands cross in their traced dtype, bodies are rewritten
+        (left as traced inside an autocast-disabled region)."""
         self.report.decisions[Decision.HIGHER_ORDER] += 1
-        node.meta["graphamp"] = {"decision": Decision.HIGHER_ORDER, "source": "", "module": module_path(node)}
+        fp32_region = _autocast_enabled(node) is False or (self.fp32_region and _autocast_enabled(node) is None)
+        source = MODEL_FP32_REGION if fp32_region else ""
+        node.meta["graphamp"] = {"decision": Decision.HIGHER_ORDER, "source": source, "module": module_path(node)}
         replace = {}
         for value in node.all_input_nodes:
             if value.op == "get_attr":
                 body = getattr(self.graph_module, value.target)
                 if isinstance(body, GraphModule):
-                    _CastPass(body, self.amp_lists, self.level, self.report).run(restore_outputs=True)
+                    _CastPass(
+                        body, self.amp_lists, self.level, self.report, fp32_region=fp32_region
+                    ).run(restore_outputs=True)
             elif _is_castable(value) and node_dtype(value) != self.traced_dtype.get(value):
                 replace[value] = self._cast(value, self.traced_dtype[value], node)
         if replace:
@@ -270,7 +331,10 @@ class _CastPass:
         """Recompute node.meta['val'] on fake tensors when an input's dtype changed, so it stays true."""
         if all(_dtype_signature(n.meta.get("val")) == self.traced_dtype.get(n) for n in node.all_input_nodes):
             return
-        node.meta["val"] = self._run_on_fake_values(node)
+        try:
+            node.meta["val"] = self._run_on_fake_values(node)
+        except Exception as error:  # the op has no kernel for these dtypes: say which op, and the fix
+            raise RewriteError(cannot_run_message(node, error)) from error
 
     def _run_on_fake_values(self, node: Node):
         """What `node` returns on its inputs' meta values: shapes and dtypes, no data."""
@@ -290,6 +354,43 @@ def _fake_tensor_errors_unlogged():
         yield
     finally:
         logger.disabled = disabled
+
+
+def cannot_run_message(node: Node, error: Exception) -> str:
+    """Which op failed on which dtypes, where, what decided them, and the fix (for the rewrite and the doctor)."""
+    mark = node.meta.get("graphamp", {})
+    dtypes = ", ".join(sorted({dtype_name(node_dtype(n)) for n in node.all_input_nodes if _is_castable(n)}))
+    entry = op_lookup_keys(node.target)[1] if isinstance(node.target, OpOverload) else str(node.target)
+    decided = f" ({mark['decision']}, {mark['source']})" if mark.get("source") else ""
+    first_line = (str(error).strip().splitlines() or [""])[0]
+    return (
+        f"{node.name} = {node.target} in {mark.get('module') or '(top level)'}{decided} cannot run on {dtypes} "
+        f"inputs: {first_line}. Fix: keep it FP32 with custom_black_list=['{entry}'] (or take it off white.txt)."
+    )
+
+
+def _clamp_scalars_to_range(node: Node, dtype: torch.dtype) -> None:
+    """An op the pass made run low keeps the meaning of its number arguments beyond that dtype's range.
+
+    HF writes "minus infinity" as `torch.finfo(float32).min` (`masked_fill(scores, mask, -3.4e38)`), which
+    bfloat16 and float16 kernels refuse; the low dtype's own finite min/max means the same there."""
+    limit = torch.finfo(dtype).max
+    for argument in node.target._schema.arguments:
+        if not isinstance(argument.type, torch.NumberType):
+            continue
+        value = argument_value(node, argument, None)
+        if isinstance(value, float) and math.isfinite(value) and abs(value) > limit:
+            set_argument(node, argument, math.copysign(limit, value))
+
+
+def _autocast_enabled(node: Node) -> bool | None:
+    """For a `torch.autocast(...)` region: whether it enables autocast (any device type); None for other ops.
+
+    A region disabled for CUDA is kept FP32 on every device: the graph does not know where it will run, and the
+    model said that code needs FP32."""
+    if AUTOCAST_REGION is None or node.target is not AUTOCAST_REGION:
+        return None
+    return bool(node.args[2])
 
 
 def _dtype_signature(value):

@@ -6,7 +6,7 @@ import warnings
 
 import torch
 
-__all__ = ["HALF_DTYPES", "check_dtype_runs_on", "dtype_name", "resolve_dtype"]
+__all__ = ["HALF_DTYPES", "check_dtype_runs_on", "cpu_runs_bfloat16_natively", "dtype_name", "resolve_dtype"]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 _DTYPE_NAMES = {
@@ -45,18 +45,31 @@ def check_dtype_runs_on(device: torch.device | None, dtype: torch.dtype, compile
                 f"use AutoMixedPrecisionLists(dtype='float16') or compile=False."
             )
     if device.type == "cpu" and dtype == torch.float16:
-        _warn_float16_on_cpu_once()
-
-
-_warned_float16_on_cpu = False
-
-
-def _warn_float16_on_cpu_once() -> None:
-    global _warned_float16_on_cpu
-    if not _warned_float16_on_cpu:
-        _warned_float16_on_cpu = True
-        warnings.warn(
+        _warn_once(
+            "_warned_float16_on_cpu",
             "float16 on CPU runs but is about 100x slower than bfloat16 on this kind of CPU: "
             "use AutoMixedPrecisionLists(dtype='bfloat16') for speed.",
-            stacklevel=4,
         )
+    if device.type == "cpu" and dtype == torch.bfloat16 and not cpu_runs_bfloat16_natively():
+        _warn_once(
+            "_warned_bfloat16_on_cpu",
+            "this CPU has no native bfloat16 (no AVX512-BF16 or AMX): bfloat16 runs emulated and will be slower "
+            "than float32 here. The numerics are those of a bfloat16 run; train on a GPU or a CPU with AMX for speed.",
+        )
+
+
+def cpu_runs_bfloat16_natively() -> bool:
+    """Whether oneDNN has bfloat16 kernels on this CPU (AVX512-BF16 or AMX); without them bfloat16 matmuls
+    are emulated and run many times slower than FP32."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+# Each warning is given once per process; the flags are module globals so that tests can reset them.
+_warned_float16_on_cpu = False
+_warned_bfloat16_on_cpu = False
+
+
+def _warn_once(flag: str, message: str) -> None:
+    if not globals()[flag]:
+        globals()[flag] = True
+        warnings.warn(message, stacklevel=4)

@@ -2,7 +2,7 @@
 
 __all__ = [
     "ArgumentError", "CaptureError", "DoubleAmpError", "ExportError", "GraphampError", "HookError", "ListFileError",
-    "LossScalingError",
+    "LossScalingError", "RewriteError",
 ]
 
 
@@ -36,3 +36,7 @@ class HookError(GraphampError, RuntimeError):
 
 class ArgumentError(GraphampError, TypeError, ValueError):
     """An argument of a graphamp function has the wrong type or value; the message names it and the fix."""
+
+
+class RewriteError(GraphampError, RuntimeError):
+    """An op cannot run in the dtype the lists give it (no low-precision kernel); the message names the op's entry."""

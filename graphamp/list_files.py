@@ -14,13 +14,14 @@ import torch
 from graphamp.errors import ListFileError
 
 __all__ = [
-    "BLACK_MODULES_FILE", "LIST_FILES", "OP_LIST_FILES", "SECTIONS", "check_lists_folder", "check_visible",
-    "default_lists_dir", "read_list_entries", "read_list_file",
+    "BLACK_MODULES_FILE", "LIST_FILES", "OP_LIST_FILES", "PROMOTE_FILE", "SECTIONS", "check_lists_folder",
+    "check_visible", "default_lists_dir", "read_list_entries", "read_list_file",
 ]
 
 OP_LIST_FILES = {"white": "white.txt", "black": "black.txt", "gray": "gray.txt"}  # by color
 BLACK_MODULES_FILE = "black_modules.txt"
-LIST_FILES = (*OP_LIST_FILES.values(), BLACK_MODULES_FILE)
+PROMOTE_FILE = "promote.txt"  # ops whose mixed floating inputs are cast to the widest (autocast's promote)
+LIST_FILES = (*OP_LIST_FILES.values(), BLACK_MODULES_FILE, PROMOTE_FILE)
 SECTIONS = {"all": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 

@@ -21,8 +21,8 @@ import torch
 from graphamp.dtypes import dtype_name, resolve_dtype
 from graphamp.errors import ListFileError
 from graphamp.list_files import (
-    BLACK_MODULES_FILE, OP_LIST_FILES, check_lists_folder, check_visible, default_lists_dir, read_list_entries,
-    read_list_file,
+    BLACK_MODULES_FILE, OP_LIST_FILES, PROMOTE_FILE, check_lists_folder, check_visible, default_lists_dir,
+    read_list_entries, read_list_file,
 )
 
 __all__ = ["AutoMixedPrecisionLists", "COLORS", "Decision", "ListEntry"]
@@ -92,6 +92,11 @@ def _split_overload(entry: str) -> tuple[str, str | None]:
     return qualified, (overload if dot else None)
 
 
+# Namespaces the shipped lists name: their ops register when the library is imported, which a model using them
+# has done; a list that names them before (or without) that is expected, not a typo worth a warning.
+_LIBRARY_NAMESPACES = ("transformers::",)
+
+
 def check_op_name(entry: str, where: str, unregistered: list[tuple[str, str]] | None = None) -> None:
     """Raise ListFileError for an op torch does not know; warn for a custom op not registered yet.
 
@@ -102,6 +107,8 @@ def check_op_name(entry: str, where: str, unregistered: list[tuple[str, str]] | 
     schemas = torch._C._jit_get_schemas_for_operator(qualified)
     if not schemas:
         if not qualified.startswith("aten::"):
+            if qualified.startswith(_LIBRARY_NAMESPACES):
+                return
             note = (entry, where)
             if unregistered is None:
                 warn_unregistered([note], stacklevel=4)
@@ -208,6 +215,7 @@ class AutoMixedPrecisionLists:
         warn_unregistered(unregistered)
         self.black_modules = self._read_black_modules(custom_black_modules)
         self.custom_black_modules = tuple(_as_names(custom_black_modules, "custom_black_modules"))
+        self.promote_ops = read_promote_ops(self.lists_dir, self.dtype, self._display(self.lists_dir / PROMOTE_FILE))
 
     # -- reading -------------------------------------------------------------------------------------------
     def _display(self, path: Path) -> str:
@@ -323,6 +331,10 @@ class AutoMixedPrecisionLists:
                 return entry
         return None
 
+    def promotes(self, op) -> bool:
+        """Whether mixed floating inputs of this OpOverload are cast to the widest of them (promote.txt)."""
+        return any(key in self.promote_ops for key in op_lookup_keys(op))
+
     def black_module_for(self, module_path: str) -> ListEntry | None:
         """The pattern that keeps `module_path` (or a module containing it) in FP32, if any."""
         if not self.black_modules or not module_path:
@@ -352,6 +364,18 @@ class AutoMixedPrecisionLists:
         custom = "".join(f", {e.source}+={e.name}" for e in sorted(customs, key=lambda e: e.name))
         modules = f", black_modules={[e.name for e in self.black_modules]}" if self.black_modules else ""
         return f"AutoMixedPrecisionLists(dtype={self.dtype_name}, {counts}{custom}{modules})"
+
+
+def read_promote_ops(lists_dir: Path, dtype: torch.dtype, display: str) -> frozenset[str]:
+    """The op names of a lists folder's promote.txt (none when the folder has no such file)."""
+    path = lists_dir / PROMOTE_FILE
+    if not path.exists():
+        return frozenset()
+    names = []
+    for entry, where in read_list_file(path, dtype, display):
+        check_op_name(canonical_op_name(entry), where)
+        names.append(canonical_op_name(entry))
+    return frozenset(names)
 
 
 def _as_names(values, argument: str) -> list[str]:

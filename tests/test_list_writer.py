@@ -11,7 +11,7 @@ from graphamp.lists import AutoMixedPrecisionLists, default_lists_dir
 
 FP16 = AutoMixedPrecisionLists(dtype="float16")
 BF16 = AutoMixedPrecisionLists(dtype="bfloat16")
-FILES = ("white.txt", "black.txt", "gray.txt", "black_modules.txt")
+FILES = ("white.txt", "black.txt", "gray.txt", "black_modules.txt", "promote.txt")
 
 
 def colors(lists):

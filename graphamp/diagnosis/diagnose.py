@@ -22,7 +22,7 @@ from graphamp.diagnosis.list_writer import write_lists
 from graphamp.dtypes import dtype_name
 from graphamp.errors import ArgumentError
 from graphamp.lists import AutoMixedPrecisionLists
-from graphamp.diagnosis.numerics import relative_error
+from graphamp.diagnosis.numerics import floating_leaves, relative_error
 from graphamp.diagnosis.probe import NodeNumerics, Probe
 from graphamp.diagnosis.suggestions import (
     BLACK_MODULE, WHITE_OP, Suggestion, accuracy_and_speed, fixes_for_nonfinite, lists_with, measured_on_the_loss,
@@ -55,6 +55,8 @@ class DoctorReport:
     loss: dict | None  # {"fp32", "amp", "relative_error"} of the first step, when the model returns a loss
     backward: bool
     suggestions: list[Suggestion] = field(default_factory=list)
+    failure: str | None = None  # the node where the rewritten graph raised, and the error
+    fp32_nonfinite: str | None = None  # "loss" or "outputs" when already inf/NaN in FP32: no list can fix it
 
     @property
     def dtype(self) -> torch.dtype:
@@ -62,7 +64,7 @@ class DoctorReport:
 
     @property
     def finite(self) -> bool:
-        return self.first_nonfinite is None and self.first_nonfinite_grad is None
+        return self.first_nonfinite is None and self.first_nonfinite_grad is None and self.failure is None
 
     def top_offenders(self, count: int = 10) -> list[NodeNumerics]:
         """The nodes that hurt most: inf/NaN first, then overflow in the low dtype, then their own error."""
@@ -104,6 +106,8 @@ class DoctorReport:
             "output_error": self.output_error,
             "loss": self.loss,
             "backward": self.backward,
+            "failure": self.failure,
+            "fp32_nonfinite": self.fp32_nonfinite,
             "first_nonfinite": _culprit(self.first_nonfinite),
             "first_nonfinite_grad": _culprit(self.first_nonfinite_grad),
             "suggestions": [s.as_dict() for s in self.suggestions],
@@ -173,6 +177,8 @@ def doctor(
             first_reference, first_comparison = reference, comparison
         else:
             _merge(report, comparison, reference)
+        if report.failure or report.fp32_nonfinite:
+            return report  # nothing to compare against, so nothing to suggest
     fixes = fixes_for_nonfinite(probe, amp_lists, first_reference, first_comparison)
     candidates = accuracy_and_speed(report.nodes, amp_lists.dtype, {s.target for s in fixes})
     if all(s.verified for s in fixes):  # on a run that is finite, each candidate's effect on the loss is measured
@@ -201,11 +207,22 @@ def _report(model, amp_lists, level, steps, reference, comparison) -> DoctorRepo
         output_error=comparison.output_error,
         loss=loss,
         backward=bool(reference.parameter_grads),
+        failure=comparison.failure,
+        fp32_nonfinite=_nonfinite_in_fp32(reference),
     )
+
+
+def _nonfinite_in_fp32(reference) -> str | None:
+    """'loss' or 'outputs' when the FP32 run itself is inf/NaN there: the model's problem, not the lists'."""
+    if reference.loss is not None:
+        return None if bool(torch.isfinite(reference.loss)) else "loss"
+    finite = all(bool(t.isfinite().all()) for t in floating_leaves(reference.outputs))
+    return None if finite else "outputs"
 
 
 def _merge(report: DoctorReport, comparison, reference) -> None:
     """Fold a later step into the report: the worst figure per node, the first inf/NaN of the earliest step."""
+    report.failure = report.failure or comparison.failure
     for mine, theirs in zip(report.nodes, comparison.nodes):
         mine.merge(theirs)
     by_name = {r.name: r for r in report.nodes}
@@ -267,6 +284,11 @@ def _json_safe(value):
 def format_report(report: DoctorReport, count: int = 10) -> str:
     low = dtype_name(report.dtype)
     lines = [f"graphamp doctor: {report.model}, {low}, {report.level}, {report.steps} step(s)"]
+    if report.fp32_nonfinite is not None:
+        lines.append(f"  the {report.fp32_nonfinite} is already inf/NaN in FP32: no list can fix that; fix the model "
+                     f"or its inputs first (no list suggestions)")
+    if report.failure is not None:
+        lines.append(f"  the rewritten graph cannot run: {report.failure}")
     if report.first_nonfinite is not None:
         r = report.first_nonfinite
         lines.append(f"  first inf/NaN (forward): {r.name} = {r.op} in {r.module or '(top level)'}, "
@@ -274,7 +296,7 @@ def format_report(report: DoctorReport, count: int = 10) -> str:
     if report.first_nonfinite_grad is not None:
         r = report.first_nonfinite_grad
         lines.append(f"  first inf/NaN (backward): gradient of {r.name} = {r.op} in {r.module or '(top level)'}")
-    if report.finite:
+    if report.finite and report.fp32_nonfinite is None:
         lines.append("  no inf/NaN: the rewritten run is finite forward and backward")
     if report.loss is not None:
         lines.append(f"  loss: FP32 {format_number(report.loss['fp32'])}, {low} {format_number(report.loss['amp'])} "

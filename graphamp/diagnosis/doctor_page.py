@@ -44,6 +44,11 @@ def render_doctor_page(report: dict) -> str:
 
 def _verdict(report: dict) -> str:
     dtype, first, grad = report["dtype"], report.get("first_nonfinite"), report.get("first_nonfinite_grad")
+    if report.get("fp32_nonfinite"):
+        return (f'<p class="verdict"><b>Already inf/NaN in FP32.</b> The {escape(report["fp32_nonfinite"])} is not '
+                f"finite without mixed precision: no list can fix that. Fix the model or its inputs first.</p>")
+    if report.get("failure"):
+        return f'<p class="verdict"><b>The rewritten graph cannot run.</b> {escape(report["failure"])}</p>'
     if first:
         said = [
             f"<b>Not finite.</b> The first node whose {escape(dtype)} output is inf/NaN is {_where(first)}: its FP32 "

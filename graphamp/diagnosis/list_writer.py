@@ -12,7 +12,7 @@ from pathlib import Path
 
 from graphamp.errors import ListFileError
 from graphamp.dtypes import HALF_DTYPES, dtype_name
-from graphamp.list_files import BLACK_MODULES_FILE, LIST_FILES, default_lists_dir
+from graphamp.list_files import BLACK_MODULES_FILE, LIST_FILES, PROMOTE_FILE, default_lists_dir
 from graphamp.lists import BLACK, COLORS, GRAY, WHITE, AutoMixedPrecisionLists, canonical_op_name, check_op_name
 
 __all__ = ["write_lists"]
@@ -21,6 +21,7 @@ FILES = LIST_FILES
 _WHAT = {
     "white.txt": "ops that run in the low dtype", "black.txt": "ops that run in float32",
     "gray.txt": "ops that follow their inputs", "black_modules.txt": "module patterns whose ops all run in float32",
+    PROMOTE_FILE: "ops whose mixed floating inputs are cast to the widest",
 }
 _HEADER = """# {file}: {what}. Written by graphamp doctor for {dtype}.
 # This folder replaces graphamp's shipped lists (it is not merged with them): use it with
@@ -62,9 +63,13 @@ def write_lists(
 
     folder.mkdir(parents=True, exist_ok=True)
     for file in FILES:
-        entries, color = (modules, BLACK) if file == BLACK_MODULES_FILE else (ops, file.removesuffix(".txt"))
         header = _HEADER.format(file=file, what=_WHAT[file], dtype=dtype_name(diagnosed), folder=str(folder))
-        (folder / file).write_text(header + _sections(entries, color, diagnosed), encoding="utf-8")
+        if file == PROMOTE_FILE:  # the same for both dtypes, and no change of the doctor's touches it
+            body = "[all]\n" + "".join(f"{name}\n" for name in sorted(amp_lists.promote_ops))
+        else:
+            entries, color = (modules, BLACK) if file == BLACK_MODULES_FILE else (ops, file.removesuffix(".txt"))
+            body = _sections(entries, color, diagnosed)
+        (folder / file).write_text(header + body, encoding="utf-8")
     return folder
 
 

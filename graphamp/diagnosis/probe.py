@@ -27,8 +27,9 @@ from torch.fx.node import map_arg
 
 from graphamp.capture import capture
 from graphamp.aten_ops import draws_random_numbers, norm_parameter_inputs, written_inputs
-from graphamp.cast_pass import insert_casts, module_path, node_dtype
+from graphamp.cast_pass import cannot_run_message, insert_casts, module_path, node_dtype
 from graphamp.dtypes import dtype_name
+from graphamp.errors import RewriteError
 from graphamp.lists import BLACK, GRAY, WHITE, AutoMixedPrecisionLists, Decision, op_lookup_keys
 from graphamp.amp_module import fp32_placeholders
 from graphamp.diagnosis.numerics import floating_leaves, nonfinite_where_finite, range_in, relative_error
@@ -93,6 +94,14 @@ class Comparison:
     output_error: float | None
     loss: torch.Tensor | None
     parameter_grads: dict[str, torch.Tensor | None]
+    failure: str | None = None  # the node where the rewritten graph raised, and the error
+
+
+class NodeRunFailed(Exception):
+    """A node of a probed graph raised: the doctor reports where, instead of crashing."""
+
+    def __init__(self, node: Node, error: Exception):
+        super().__init__(cannot_run_message(node, error))
 
 
 class Probe:
@@ -163,7 +172,10 @@ class Probe:
 
     def compare(self, amp_lists: AutoMixedPrecisionLists, reference: Reference, backward: bool = True) -> Comparison:
         """Rewrite a copy of the graph with `amp_lists`, run it on the reference's inputs and measure every op."""
-        graph_module = self.rewritten(amp_lists)
+        try:
+            graph_module = self.rewritten(amp_lists)
+        except RewriteError as error:
+            return Comparison([], None, None, None, None, {}, failure=str(error))
         low = amp_lists.dtype
         nodes: list[NodeNumerics] = []
         aligned: dict[Node, object] = {}
@@ -192,7 +204,12 @@ class Probe:
                         )
                     )
 
-        outputs, loss, parameter_grads = self._run(graph_module, reference.seed, observe, backward, self.loss_scaling)
+        try:
+            outputs, loss, parameter_grads = self._run(
+                graph_module, reference.seed, observe, backward, self.loss_scaling
+            )
+        except NodeRunFailed as failed:
+            return Comparison(nodes, None, None, None, None, {}, failure=str(failed))
         # Under an inf/NaN loss every gradient is NaN: a first one in backward would name nothing.
         finite_loss = loss is None or bool(torch.isfinite(loss))
         return Comparison(
@@ -206,9 +223,12 @@ class Probe:
 
     def output_error(self, amp_lists: AutoMixedPrecisionLists, reference: Reference) -> float:
         """The rewritten model's loss (or outputs) against FP32, forward only and without instruments: fast."""
-        graph_module = self.rewritten(amp_lists)
-        with torch.no_grad():
-            outputs, loss, _ = self._run(graph_module, reference.seed, None, False, 1.0)
+        try:
+            graph_module = self.rewritten(amp_lists)
+            with torch.no_grad():
+                outputs, loss, _ = self._run(graph_module, reference.seed, None, False, 1.0)
+        except (NodeRunFailed, RewriteError):
+            return math.inf
         if loss is not None and reference.loss is not None:
             error = relative_error(loss, reference.loss)
         else:
@@ -254,7 +274,10 @@ class _Observed(Interpreter):
         self.observe = observe
 
     def run_node(self, node):
-        value = super().run_node(node)
+        try:
+            value = super().run_node(node)
+        except Exception as error:
+            raise NodeRunFailed(node, error) from error
         if self.observe is not None:
             self.observe(node, value)
         return value

@@ -1,0 +1,89 @@
+"""Casts executed per training step (forward + backward) by graphamp and by torch.autocast, and both runs'
+errors against FP32, on tiny CNN / ViT / encoder models from transformers configs (tests/encoder_models.py).
+
+    PYTHONPATH=$PWD python benchmarks/fidelity.py [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+import graphamp  # noqa: E402
+from encoder_models import ENCODERS  # noqa: E402
+from graphamp.inspection.recording import DtypeRecorder  # noqa: E402
+
+
+def relative_error(a, b) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def step(run, batch):
+    """Casts executed by one forward+backward, the logits and the first parameter gradients."""
+    with DtypeRecorder() as recorder:
+        logits = run(**batch).logits
+        logits.float().pow(2).mean().backward()
+    return recorder.casts, logits.detach()
+
+
+def measure(name, dtype):
+    torch.manual_seed(0)
+    model, batch = ENCODERS[name]()
+    model.eval()  # dropout would draw other masks in each run; forward and backward are measured all the same
+    lists = graphamp.AutoMixedPrecisionLists(dtype=dtype)
+    model.zero_grad()
+    _, reference = step(model, batch)
+    fp32_grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad()
+    with torch.autocast("cpu", dtype=lists.dtype):
+        autocast_casts, autocast_out = step(model, batch)
+    autocast_grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    model.zero_grad()
+    amp = graphamp.rewrite(model, (), batch, amp_lists=lists, progress=False)
+    amp_casts, amp_out = step(amp, batch)
+    amp_grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    # over all gradients at once: single tiny gradients (a bias near zero) would dominate a per-tensor maximum
+    flat = lambda grads: torch.cat([g.flatten() for g in grads])  # noqa: E731
+    grad_error = lambda grads: relative_error(flat(grads), flat(fp32_grads))  # noqa: E731
+    return {
+        "model": name, "graphamp casts": amp_casts, "autocast casts": autocast_casts,
+        "graphamp out err": relative_error(amp_out, reference), "autocast out err": relative_error(autocast_out, reference),
+        "graphamp grad err": grad_error(amp_grads), "autocast grad err": grad_error(autocast_grads),
+    }
+
+
+def _cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("models", nargs="*", default=list(ENCODERS))
+    args = parser.parse_args()
+    warnings.simplefilter("ignore")
+    print(f"casts per step and errors vs FP32, {args.dtype}, CPU, torch {torch.__version__}, "
+          f"{_cpu_name()}, native bf16 {torch.ops.mkldnn._is_mkldnn_bf16_supported()}, {datetime.date.today()}")
+    header = ("model", "graphamp casts", "autocast casts", "ratio", "graphamp out err", "autocast out err",
+              "graphamp grad err", "autocast grad err")
+    print(" | ".join(header))
+    for name in args.models:
+        row = measure(name, args.dtype)
+        ratio = row["graphamp casts"] / max(row["autocast casts"], 1)
+        print(" | ".join([name, str(row["graphamp casts"]), str(row["autocast casts"]), f"{ratio:.2f}",
+                          *(f"{row[k]:.2e}" for k in header[4:])]))
+
+
+if __name__ == "__main__":
+    main()
