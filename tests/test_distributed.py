@@ -14,14 +14,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 import traceback
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -31,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import graphamp
+from ranks import results_of_ranks
 from models import digits
 
 WORLD_SIZE = 2
@@ -210,17 +209,7 @@ def _run_scenarios(rank: int, store: str, out: str) -> None:
 def ranks(tmp_path_factory):
     """Each rank's results, by scenario name."""
     out = tmp_path_factory.mktemp("ranks")
-    job = mp.spawn(_run_scenarios, args=(str(out / "store"), str(out)), nprocs=WORLD_SIZE, join=False)
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    try:
-        while not job.join(timeout=max(deadline - time.monotonic(), 0.1)):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the {WORLD_SIZE}-process job did not finish within {JOB_TIMEOUT_S} s")
-    finally:
-        for process in job.processes:
-            if process.is_alive():
-                process.kill()
-    return [torch.load(out / f"rank{rank}.pt") for rank in range(WORLD_SIZE)]
+    return results_of_ranks(_run_scenarios, out, WORLD_SIZE, JOB_TIMEOUT_S)
 
 
 def results_of(ranks, scenario):

@@ -9,20 +9,19 @@ from __future__ import annotations
 
 import datetime
 import os
-import time
 import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 import graphamp
+from ranks import results_of_ranks
 from models import VOCAB, BlockStack
 
 WORLD_SIZE = 2
@@ -201,17 +200,7 @@ def _run_scenarios(rank: int, store: str, out: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp_ranks")
-    job = mp.spawn(_run_scenarios, args=(str(out / "store"), str(out)), nprocs=WORLD_SIZE, join=False)
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    try:
-        while not job.join(timeout=max(deadline - time.monotonic(), 0.1)):
-            if time.monotonic() > deadline:
-                pytest.fail(f"the {WORLD_SIZE}-process job did not finish within {JOB_TIMEOUT_S} s")
-    finally:
-        for process in job.processes:
-            if process.is_alive():
-                process.kill()
-    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(WORLD_SIZE)]
+    return results_of_ranks(_run_scenarios, out, WORLD_SIZE, JOB_TIMEOUT_S)
 
 
 def results_of(ranks, scenario):

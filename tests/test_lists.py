@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import graphamp
 from graphamp import AutoMixedPrecisionLists, ListFileError
 
 REPO = Path(__file__).resolve().parents[1]

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.utils._pytree as pytree
 from torch._ops import HigherOrderOperator, OpOverload
-from torch.fx import GraphModule, Node
+from torch.fx import GraphModule
 
 from graphamp.cast_pass import node_dtype
 from graphamp.dtypes import dtype_name
