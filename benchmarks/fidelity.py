@@ -1,7 +1,10 @@
 """Casts executed per training step (forward + backward) by graphamp and by torch.autocast, and both runs'
 errors against FP32, on tiny CNN / ViT / encoder models from transformers configs (tests/encoder_models.py).
 
-    PYTHONPATH=$PWD python benchmarks/fidelity.py [--dtype bfloat16]
+    PYTHONPATH=$PWD python benchmarks/fidelity.py [--dtype bfloat16] [--train]
+
+Eval mode by default. --train counts in train mode (dropout, stochastic depth), with the RNG seeded the same
+before each of the three runs, so that they draw the same masks.
 """
 
 from __future__ import annotations
@@ -27,17 +30,18 @@ def relative_error(a, b) -> float:
 
 
 def step(run, batch):
-    """Casts executed by one forward+backward, the logits and the first parameter gradients."""
+    """Casts executed by one forward+backward, and the logits."""
+    torch.manual_seed(1)  # the same dropout masks in every run
     with DtypeRecorder() as recorder:
         logits = run(**batch).logits
         logits.float().pow(2).mean().backward()
     return recorder.casts, logits.detach()
 
 
-def measure(name, dtype):
+def measure(name, dtype, train=False):
     torch.manual_seed(0)
     model, batch = ENCODERS[name]()
-    model.eval()  # dropout would draw other masks in each run; forward and backward are measured all the same
+    model.train(train)
     lists = graphamp.AutoMixedPrecisionLists(dtype=dtype)
     model.zero_grad()
     _, reference = step(model, batch)
@@ -70,16 +74,17 @@ def _cpu_name() -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--train", action="store_true", help="train mode (dropout, stochastic depth)")
     parser.add_argument("models", nargs="*", default=list(ENCODERS))
     args = parser.parse_args()
     warnings.simplefilter("ignore")
-    print(f"casts per step and errors vs FP32, {args.dtype}, CPU, torch {torch.__version__}, "
+    print(f"casts per step and errors vs FP32, {args.dtype}, {'train' if args.train else 'eval'} mode, CPU, torch {torch.__version__}, "
           f"{_cpu_name()}, native bf16 {torch.ops.mkldnn._is_mkldnn_bf16_supported()}, {datetime.date.today()}")
     header = ("model", "graphamp casts", "autocast casts", "ratio", "graphamp out err", "autocast out err",
               "graphamp grad err", "autocast grad err")
     print(" | ".join(header))
     for name in args.models:
-        row = measure(name, args.dtype)
+        row = measure(name, args.dtype, args.train)
         ratio = row["graphamp casts"] / max(row["autocast casts"], 1)
         print(" | ".join([name, str(row["graphamp casts"]), str(row["autocast casts"]), f"{ratio:.2f}",
                           *(f"{row[k]:.2e}" for k in header[4:])]))

@@ -13,7 +13,7 @@ from torch.fx.node import map_arg
 from graphamp.lists import op_lookup_keys
 
 __all__ = [
-    "MODEL_CAST_OPS", "NORM_OPS", "RESHAPE_OPS", "TRACE_ASSERTS", "VIEW_OPS", "argument_value", "draws_random_numbers",
+    "FP32_ACCUMULATING_OPS", "MODEL_CAST_OPS", "NORM_OPS", "RESHAPE_OPS", "TRACE_ASSERTS", "VIEW_OPS", "argument_value", "draws_random_numbers",
     "has_explicit_float_dtype", "norm_parameter_inputs", "set_argument", "written_inputs",
 ]
 
@@ -31,6 +31,10 @@ NORM_OPS = {
     "_native_batch_norm_legit_functional", "instance_norm", "layer_norm", "native_layer_norm", "group_norm",
     "native_group_norm",
 }
+# Kernels that compute in FP32 inside on a float16/bfloat16 input (CPU and CUDA softmax and sum accumulate in
+# float, at::opmath_type) and write the input's dtype: fed to a GEMM only, their low output is what a cast of
+# their FP32 result would have given.
+FP32_ACCUMULATING_OPS = {"softmax", "_softmax", "_safe_softmax", "sum", "mean"}
 _NORM_PARAMETER_ARGS = {"weight", "bias", "running_mean", "running_var"}
 # Ops that only reshape (same elements, same order): a cast of their result is their result on a cast of
 # their input, so one cast serves a value and all its reshapes.

@@ -26,11 +26,12 @@ from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
 from graphamp.aten_ops import (
-    MODEL_CAST_OPS, NORM_OPS, RESHAPE_OPS, TRACE_ASSERTS, VIEW_OPS, argument_value, has_explicit_float_dtype,
+    FP32_ACCUMULATING_OPS, MODEL_CAST_OPS, NORM_OPS, RESHAPE_OPS, TRACE_ASSERTS, VIEW_OPS, argument_value, has_explicit_float_dtype,
     norm_parameter_inputs, set_argument, written_inputs,
 )
 from graphamp.dtypes import HALF_DTYPES, dtype_name
 from graphamp.errors import RewriteError
+from graphamp.kernel_support import runs_low_on
 from graphamp.lists import BLACK, GRAY, WHITE, AutoMixedPrecisionLists, Decision, op_lookup_keys
 
 __all__ = ["RewriteReport", "insert_casts"]
@@ -183,6 +184,8 @@ class _CastPass:
         follows_inputs = decision in (GRAY, Decision.UNLISTED)
         if target == torch.float32 and follows_inputs and not promotes and self._promotes_to_fp32(node):
             target = None  # add(bf16, fp32) already computes in FP32 inside the kernel: a cast would only cost
+        if target == self.low and not self._kernel_takes(node, floats):
+            target = torch.float32  # this device's norm kernel wants X in its parameters' dtype
         if target == torch.float32 and decision == BLACK and self._fp32_inside_the_kernel(node, floats):
             target = None
         if target is not None:
@@ -197,24 +200,39 @@ class _CastPass:
 
     def _fp32_inside_the_kernel(self, node: Node, floats: list[Node]) -> bool:
         """Whether a black op reads its low inputs as they are and computes in FP32 inside, with no cast kernel:
-        - a normalization whose output feeds only white ops (GEMMs): its kernel takes low X with FP32 weights and
-          statistics and accumulates in FP32, and its low output is what the next GEMM reads (autocast casts X
-          up and the result back down);
+        - a normalization (kept black by the user) or a softmax, sum or mean whose output feeds only white ops
+          (GEMMs): the kernel accumulates in FP32 and its low output is what the next GEMM would read after a
+          cast of the FP32 result (autocast casts X up and the result back down);
         - an op with a `dtype` argument (sum, mean, softmax, cumsum): it is set to float32, which casts inside.
         """
         low = [n for n in floats if node_dtype(n) in HALF_DTYPES]
         if not low:
             return False
-        if op_lookup_keys(node.target)[1] in NORM_OPS:
-            return len(low) == len(floats) and self._feeds_only_white(node)
+        name = op_lookup_keys(node.target)[1]
+        if name in NORM_OPS or name in FP32_ACCUMULATING_OPS:
+            if len(low) == len(floats) and self._kernel_takes(node, floats) and self._feeds_only_white(node):
+                return True
+            if name in NORM_OPS:
+                return False
         dtype_argument = next((a for a in node.target._schema.arguments if a.name == "dtype"), None)
         if dtype_argument is None or argument_value(node, dtype_argument) is not None:
             return False
         set_argument(node, dtype_argument, torch.float32)
         return True
 
+    def _kernel_takes(self, node: Node, floats: list[Node]) -> bool:
+        """False where this device's kernel cannot run the op low as the gray rule wants (kernel_support.py): a
+        normalization that cannot read a low X with FP32 parameters, an interpolation whose backward
+        accumulates in the low dtype."""
+        name = op_lookup_keys(node.target)[1]
+        if name in NORM_OPS and not norm_parameter_inputs(node):
+            return True  # no FP32 parameters: nothing mixed
+        data = floats[0].meta["val"] if floats else None
+        return data is None or runs_low_on(name, data.device, self.low)
+
     def _feeds_only_white(self, node: Node) -> bool:
-        """Whether every op reading `node`'s (first) output, through getitems and reshapes, is white."""
+        """Whether every op reading `node`'s (first) output is white, looking through getitems, reshapes and
+        gray ops of that one value (dropout, a scalar multiply): those would run low on a low input anyway."""
         readers = list(node.users)
         if not readers:
             return False
@@ -227,11 +245,13 @@ class _CastPass:
                     readers.extend(reader.users)
             elif reader.target in RESHAPE_OPS or reader.target in VIEW_OPS:
                 readers.extend(reader.users)
-            elif not isinstance(reader.target, OpOverload):
+            elif not isinstance(reader.target, OpOverload) or self.amp_lists.black_module_for(module_path(reader)):
                 return False
             else:
                 entry = self.amp_lists.classify(reader.target)
-                if entry is None or entry.color != WHITE or self.amp_lists.black_module_for(module_path(reader)):
+                if entry is not None and entry.color == GRAY and _reads_one_floating_value(reader):
+                    readers.extend(reader.users)
+                elif entry is None or entry.color != WHITE:
                     return False
         return True
 
@@ -400,6 +420,10 @@ def _dtype_signature(value):
     if isinstance(value, (tuple, list)):
         return tuple(_dtype_signature(v) for v in value)
     return None
+
+
+def _reads_one_floating_value(node: Node) -> bool:
+    return len([n for n in node.all_input_nodes if _is_castable(n)]) == 1
 
 
 def _is_castable(node: Node) -> bool:

@@ -300,7 +300,7 @@ def test_level_o2_runs_gray_ops_low_and_keeps_norm_parameters_fp32():
         o2(x)
     assert floating(rec1.calls_of("addmm")[1].in_dtypes) == {torch.bfloat16}
     layer_norm = rec2.calls_of("native_layer_norm")[0]
-    # black op, FP32 params; its input stays low, as it feeds only a GEMM (the kernel accumulates in FP32)
+    # gray op, FP32 params; its input stays low (the kernel accumulates in FP32)
     assert layer_norm.in_dtypes == (torch.bfloat16, torch.float32, torch.float32)
     placeholders_cast = {c.args[0].name for c in inserted_casts(o2.graph_module) if c.args[0].op == "placeholder"}
     assert not any(name.startswith("p_1_") for name in placeholders_cast)  # LayerNorm's weight and bias
