@@ -214,3 +214,36 @@ def test_compiled_plain_backward_matches_the_eager_rewrite(bf16):
         model(*batch(1)).backward()
     for a, b in zip(grads(compiled), grads(eager_rewrite)):
         assert relative_error(a, b) < 1e-2
+
+
+class SharedGradients(nn.Module):
+    """Gradients the graph's backward hands out in unusual shapes: `w1 + w2` gives both parameters the very same
+    gradient tensor, `bias.sum()` an expanded one, `scale * x` a 0-dim one."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1, self.w2 = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4, 4))
+        self.bias, self.scale = nn.Parameter(torch.randn(4)), nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x):
+        return ((x @ (self.w1 + self.w2)) * self.scale).pow(2).mean() + self.bias.sum()
+
+
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_gradients_leaving_the_graph_are_divided_once_whatever_their_layout(fp16, seeded, create_graph):
+    """The node dividing the gradients into the master weights does it in place where it owns them, never twice
+    through one storage, out of place for expanded ones, and differentiably under create_graph."""
+    model, x = SharedGradients(), torch.randn(3, 4)
+    eager = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        amp_model = graphamp.rewrite(model, (x,), amp_lists=fp16, progress=False)
+    # a scale that leaves the float16 backward finite (the 0-dim `scale` gradient sums 12 products)
+    graphamp.decorate(torch.optim.SGD(amp_model.parameters(), lr=0.1), fp16, init_loss_scaling=2.0**10)
+    amp_model(x).backward(create_graph=create_graph)
+    eager(x).backward(create_graph=create_graph)
+    for (name, a), b in zip(amp_model.named_parameters(), eager.parameters()):
+        assert relative_error(a.grad.detach(), b.grad.detach()) < 1e-2, name
+    assert torch.equal(amp_model.w1.grad, amp_model.w2.grad)
+    if create_graph:  # the gradients stay differentiable: a gradient penalty can go on
+        assert amp_model.w1.grad.requires_grad

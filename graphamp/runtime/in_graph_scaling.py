@@ -47,6 +47,33 @@ class _ScaleGradients(torch.autograd.Function):
         return (None, *result)
 
 
+class _UnscaleGradients(_ScaleGradients):
+    """The gradients leaving the graph into the master weights, times 1/scale: in place, in one fused
+    `_amp_foreach_non_finite_check_and_unscale_` kernel, as `unscale_()` does, where the gradient is the graph's own
+    (computed by its backward, dense, sharing storage with no other gradient of this call, no double backward);
+    elsewhere out of place. Its inf/NaN flag is not needed: `step()` checks every gradient of the optimizer."""
+
+    @staticmethod
+    def backward(ctx, *grads):
+        (factor,) = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: the multiply must be differentiable
+            return _ScaleGradients.backward(ctx, *grads)
+        result, in_place, storages = [None, *grads], {}, set()
+        for i, grad in enumerate(grads, start=1):
+            if grad is None:
+                continue
+            storage = grad.untyped_storage().data_ptr()
+            if grad.is_contiguous() and grad.is_floating_point() and storage not in storages:
+                in_place.setdefault((grad.device, grad.dtype), []).append(grad)
+            else:  # an expanded gradient, or one an add's backward also gave another input: leave it unwritten
+                result[i] = grad * factor.to(grad.device)
+            storages.add(storage)
+        for (device, _), same_kind in in_place.items():
+            found_inf = torch.zeros((), dtype=torch.float32, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(same_kind, found_inf, factor.to(device))
+        return tuple(result)
+
+
 def register_parameters(amp_module: torch.nn.Module) -> None:
     """Remember which AmpModule owns each of its parameters, so that decorate() finds it."""
     ref = weakref.ref(amp_module)
@@ -98,6 +125,18 @@ def scale_gradients(factor: torch.Tensor, tensors: list[torch.Tensor]) -> list[t
     if not positions:
         return tensors
     scaled = _ScaleGradients.apply(factor, *(tensors[i] for i in positions))
+    return _put_back(tensors, positions, scaled)
+
+
+def unscale_gradients(inv_scale: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """As scale_gradients(inv_scale, tensors), for the gradients the graph computes: divided in place."""
+    positions = [i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not positions:
+        return tensors
+    return _put_back(tensors, positions, _UnscaleGradients.apply(inv_scale, *(tensors[i] for i in positions)))
+
+
+def _put_back(tensors: list, positions: list[int], scaled) -> list:
     tensors = list(tensors)
     for i, t in zip(positions, scaled):
         tensors[i] = t
@@ -115,7 +154,7 @@ def run_scaled(run, inputs: list, scale: torch.Tensor, weight_casts=None):
     up, down = _scaling_factors(scale)
     casts = weight_casts(down) if weight_casts is not None else []
     # Outputs computed from other outputs (HF's loss from the logits): only the gradient from outside is scaled.
-    return scale_gradients(up, list(run(*scale_gradients(down, inputs), *casts)))
+    return scale_gradients(up, list(run(*unscale_gradients(down, inputs), *casts)))
 
 
 def _scaling_factors(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
