@@ -108,6 +108,18 @@ def test_trainer_resumes_from_its_checkpoint(tmp_path, bf16):
     assert resumed.train(resume_from_checkpoint=str(tmp_path / f"checkpoint-{MAX_STEPS}")).global_step == MAX_STEPS + 2
 
 
+def test_trainer_bf16_on_top_is_refused(tmp_path, bf16, fresh_accelerator_state):
+    """Trainer(bf16=True) runs the model under torch.autocast: two AMP systems at once."""
+    amp_model = rewritten(llama(), bf16)
+    opt = graphamp.decorate(torch.optim.AdamW(amp_model.parameters(), lr=1e-3), bf16)
+    trainer = transformers.Trainer(
+        model=amp_model, args=trainer_arguments(tmp_path, bf16=True, max_steps=1, save_strategy="no"),
+        train_dataset=TokenDataset(rows=2), optimizers=(opt, None),
+    )
+    with pytest.raises(graphamp.DoubleAmpError, match="two AMP systems"):
+        trainer.train()
+
+
 @pytest.fixture
 def fresh_accelerator_state():
     """accelerate keeps one process-wide state; each test builds its own Accelerator."""
@@ -175,6 +187,18 @@ def lightning_module(amp_model, amp_lists, automatic: bool):
             return graphamp.decorate(torch.optim.AdamW(self.parameters(), lr=1e-3), amp_lists)
 
     return lightning, CausalLM()
+
+
+def test_lightning_bf16_mixed_on_top_is_refused(bf16):
+    """Lightning's precision="bf16-mixed" wraps training_step in torch.autocast: two AMP systems at once."""
+    lightning, module = lightning_module(rewritten(llama(), bf16), bf16, automatic=True)
+    trainer = lightning.Trainer(
+        max_steps=1, accelerator="cpu", precision="bf16-mixed", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )
+    loader = torch.utils.data.DataLoader(TokenDataset(rows=2), batch_size=2, collate_fn=collate_tensors)
+    with pytest.raises(graphamp.DoubleAmpError, match="two AMP systems"):
+        trainer.fit(module, loader)
 
 
 @pytest.mark.parametrize("automatic", [True, False], ids=["automatic", "manual"])
