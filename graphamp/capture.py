@@ -22,6 +22,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from graphamp.errors import CaptureError
 from graphamp.list_files import default_lists_dir
 from graphamp.lists import read_promote_ops
+from graphamp.runtime.generation import register_cache_pytree_for
 from graphamp.runtime.shapes import automatic_dynamic_dims
 from graphamp.type_promotion import PromoteMixedInputs
 
@@ -83,6 +84,7 @@ def capture(
     shipped lists/promote.txt).
     """
     args, kwargs = _ordinary_tensors((args, kwargs))
+    register_cache_pytree_for(model)  # a decoder's default use_cache=True returns its DynamicCache
     if promote_ops is None:
         promote_ops = read_promote_ops(default_lists_dir(), torch.float32, "lists/promote.txt")
     try:

@@ -442,14 +442,37 @@ def test_graph_module_is_an_fx_graph_module_with_inserted_casts(bf16):
 
 # -- what cannot be captured -------------------------------------------------------------------------------------
 
-def test_returned_cache_asks_for_use_cache_false(bf16):
+def test_a_decoder_with_use_cache_on_trains_and_returns_its_cache(bf16, seeded):
+    """use_cache=True, decoder configs' default: the DynamicCache comes back from the graph, as from eager."""
     model, args, kwargs = gpt2_case()
     model.config.use_cache = True
-    del kwargs["labels"]
+    amp = graphamp.rewrite(model, args, kwargs, amp_lists=bf16)
+    out, expected = amp(*args, **kwargs), model(*args, **kwargs)
+    out.loss.backward()
+    assert type(out.past_key_values) is type(expected.past_key_values)
+    for layer, expected_layer in zip(out.past_key_values.layers, expected.past_key_values.layers):
+        assert relative_error(layer.keys, expected_layer.keys) < 2e-2
+        assert relative_error(layer.values, expected_layer.values) < 2e-2
+    assert relative_error(out.loss, expected.loss) < 2e-2
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
 
-    with pytest.raises(graphamp.CaptureError, match="use_cache=False") as caught:
-        graphamp.rewrite(model, args, kwargs, amp_lists=bf16)
 
+def test_an_unflattenable_cache_asks_for_use_cache_false(bf16):
+    class CacheLike:
+        def __init__(self, tensor):
+            self.tensor = tensor
+
+    class ReturnsACache(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(x), CacheLike(x)
+
+    CacheLike.__name__ = "StaticCache"  # a transformers Cache class that no pytree registration covers
+    with pytest.raises(graphamp.CaptureError, match=r"returns a transformers Cache .*use_cache=False") as caught:
+        graphamp.rewrite(ReturnsACache(), (torch.randn(2, 4),), amp_lists=bf16)
     assert caught.value.__cause__ is not None
 
 

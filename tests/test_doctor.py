@@ -301,3 +301,18 @@ def test_report_prints_the_culprit_the_offenders_and_the_fix():
     offenders = text.split("top ")[1].splitlines()
     assert offenders[2].split()[:3] == ["linear_1", "linear.default", "pool"]  # the worst first
     assert "module `pool` → custom_black_modules" in text and "[verified" in text
+
+
+def test_dynamic_doctor_diagnoses_the_symbolic_graph_as_the_static_one(gpt2_bf16_report):
+    """doctor(dynamic=True) runs the graph an AmpModule uses once sizes vary: symbolic dims, the same figures."""
+    model, static = gpt2_bf16_report
+    torch.manual_seed(0)
+    dynamic = graphamp.doctor(model, (), gpt2_batch(), amp_lists=BF16, dynamic=True)
+    probe_graph = graphamp.diagnosis.probe.Probe(model, (), gpt2_batch(), torch.bfloat16, dynamic=True).graph_module
+    sizes = [n.meta["val"].shape for n in probe_graph.graph.nodes if n.op == "placeholder" and "input_ids" in n.name]
+    assert sizes and all(isinstance(d, torch.SymInt) for d in sizes[0])
+    assert dynamic.loss["amp"] == pytest.approx(static.loss["amp"], rel=1e-5)
+    assert dynamic.loss["fp32"] == pytest.approx(static.loss["fp32"], rel=1e-6)
+    # the symbolic graph has a few more shape ops (arange, view of sizes); its white and black ops are the same
+    decided = lambda report: sorted((r.op, r.decision) for r in report.nodes if r.decision in ("white", "black"))  # noqa: E731
+    assert decided(dynamic) == decided(static) and decided(static)

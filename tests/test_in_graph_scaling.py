@@ -229,6 +229,7 @@ class SharedGradients(nn.Module):
         return ((x @ (self.w1 + self.w2)) * self.scale).pow(2).mean() + self.bias.sum()
 
 
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph")  # torch's reference-cycle note
 @pytest.mark.parametrize("create_graph", [False, True])
 def test_gradients_leaving_the_graph_are_divided_once_whatever_their_layout(fp16, seeded, create_graph):
     """The node dividing the gradients into the master weights does it in place where it owns them, never twice

@@ -139,6 +139,7 @@ def doctor(
     level: str = "O1",
     loss_fn=None,
     loss_scaling: float = 1.0,
+    dynamic: bool = False,
 ) -> DoctorReport:
     """Run `model` forward and backward in FP32 and rewritten by `amp_lists`, node by node on the same inputs.
 
@@ -155,6 +156,8 @@ def doctor(
             output; forward only when there is none).
         loss_scaling: the loss is multiplied by it before backward (and gradients divided after), as a loss
             scaler would: pass `optimizer.get_loss_scaling()` to see float16 gradients as training has them.
+        dynamic: diagnose the graph captured with symbolic sizes, the one an AmpModule runs once sizes have
+            varied (rewrite's automatic dynamic), rather than the static graph of the example's sizes.
 
     Returns:
         A DoctorReport: the first inf/NaN forward and backward, every node's figures, the suggestions
@@ -167,7 +170,7 @@ def doctor(
         raise ValueError(f"steps={steps!r}: pass a positive number of runs to measure.")
     if not (isinstance(loss_scaling, (int, float)) and math.isfinite(loss_scaling) and loss_scaling > 0):
         raise ArgumentError(f"loss_scaling={loss_scaling!r}: pass a positive finite number, e.g. 1024.0.")
-    probe = Probe(model, example_args, example_kwargs, amp_lists.dtype, level, loss_fn, loss_scaling)
+    probe = Probe(model, example_args, example_kwargs, amp_lists.dtype, level, loss_fn, loss_scaling, dynamic)
     report = None
     for step in range(steps):
         reference = probe.reference(seed=step)

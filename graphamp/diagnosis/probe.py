@@ -107,13 +107,15 @@ class NodeRunFailed(Exception):
 class Probe:
     """A model captured once, with the inputs and parameter copies both runs are fed."""
 
-    def __init__(self, model, example_args, example_kwargs, dtype, level="O1", loss_fn=None, loss_scaling=1.0):
+    def __init__(
+        self, model, example_args, example_kwargs, dtype, level="O1", loss_fn=None, loss_scaling=1.0, dynamic=False
+    ):
         kwargs = dict(sorted((example_kwargs or {}).items()))  # the order rewrite() captures in
         self.model = model
         self.level = level
         self.loss_fn = loss_fn
         self.loss_scaling = float(loss_scaling)
-        self.captured = capture(model, example_args, kwargs)
+        self.captured = capture(model, example_args, kwargs, dynamic=dynamic)
         self.user_inputs = pytree.tree_leaves((example_args, kwargs))
         for index, node in enumerate(self.captured.graph_module.graph.nodes):
             node.meta[_INDEX] = index

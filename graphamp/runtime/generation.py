@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import sys
 import warnings
 import weakref
 
@@ -20,7 +21,7 @@ import torch.utils._pytree as pytree
 
 from graphamp.errors import CaptureError
 
-__all__ = ["generate"]
+__all__ = ["generate", "register_cache_pytree_for"]
 
 # AmpModule -> why its generation cannot be captured: later calls go straight to the original.
 _uncapturable: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -77,6 +78,14 @@ def _forward_through(amp_model):
             del original.forward
         else:
             original.forward = own_forward
+
+
+def register_cache_pytree_for(model) -> None:
+    """For a transformers model, DynamicCache as a pytree node before its first capture: a forward that returns
+    its cache (use_cache=True, the default of decoder configs) captures, and the cache comes back from the graph."""
+    transformers = sys.modules.get("transformers")
+    if transformers is not None and isinstance(model, transformers.PreTrainedModel):
+        _register_cache_pytree()
 
 
 def _register_cache_pytree() -> None:
