@@ -423,7 +423,9 @@ def _dtype_signature(value):
 
 
 def _reads_one_floating_value(node: Node) -> bool:
-    return len([n for n in node.all_input_nodes if _is_castable(n)]) == 1
+    """One floating input besides a norm's FP32 parameters (which never decide its dtype)."""
+    parameters = norm_parameter_inputs(node)
+    return len([n for n in node.all_input_nodes if _is_castable(n) and n not in parameters]) == 1
 
 
 def _is_castable(node: Node) -> bool:

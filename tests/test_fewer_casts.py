@@ -131,6 +131,29 @@ def test_softmax_feeding_a_matmul_reads_and_writes_low(bf16, seeded, p):
     assert relative_error(out, expected) < 2e-2 and relative_error(weights, expected_weights) < 1e-2
 
 
+class PooledHead(nn.Module):
+    """ConvNeXt's head: a spatial mean, a LayerNorm, the classifier."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.norm, self.classifier = nn.Conv2d(3, 8, 3), nn.LayerNorm(8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.classifier(self.norm(self.conv(x).mean(dim=(-2, -1))))
+
+
+def test_a_mean_read_by_a_norm_then_a_gemm_reads_and_writes_low(bf16, seeded):
+    """The norm reads its low X as it is, so the mean's FP32 result would only be cast back down for the GEMM."""
+    model, x = PooledHead(), torch.randn(2, 3, 8, 8)
+    amp = graphamp.rewrite(model, (x,), amp_lists=bf16)
+    with DtypeRecorder() as rec:
+        out = amp(x)
+    (mean,) = rec.calls_of("mean")
+    assert mean.in_dtypes == (torch.bfloat16,) and mean.out_dtypes == (torch.bfloat16,)
+    assert rec.casts == 1 + 4 + 1  # the input, the weights and biases of conv and classifier, the logits back up
+    assert relative_error(out, model(x)) < 2e-2
+
+
 class Upsampler(nn.Module):
     def __init__(self):
         super().__init__()
