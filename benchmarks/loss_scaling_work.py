@@ -5,11 +5,12 @@
 Both paths leave the same FP32 gradients; what differs is the work over them after the backward pass proper:
 - `unscale_()` path: the backward runs on a scaled loss and leaves scaled gradients; `unscale_()` divides them in
   place and checks them for inf/NaN in one fused kernel (`_amp_foreach_non_finite_check_and_unscale_`);
-- in-graph scaling: the graph's gradient node divides the outgoing gradients by the scale (`_UnscaleGradients`'s
-  backward, through autograd), and `step()` checks the resulting `.grad` for inf/NaN.
+- in-graph scaling: the graph's gradient node divides the outgoing gradients by the scale
+  (`_UnscaleGradients`'s backward, through autograd), and `step()` checks the resulting `.grad` for inf/NaN.
 This times the backward from the low-precision weight copies into the master weights (the cast's backward, which
 both paths run) plus that work, on the model's full-size (GPU) parameter shapes: memory-bound elementwise work
-with no GEMM, so it can be timed on a CPU without native bfloat16. The whole step's overhead (eager and compiled) is loss_scaling_overhead.py's, on a GPU.
+with no GEMM, so it can be timed on a CPU without native bfloat16. The whole step's overhead (eager and compiled)
+is loss_scaling_overhead.py's, on a GPU.
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
 from graphamp.aten_ops import (
-    FP32_ACCUMULATING_OPS, MODEL_CAST_OPS, NORM_OPS, RESHAPE_OPS, TRACE_ASSERTS, VIEW_OPS, argument_value, has_explicit_float_dtype,
-    norm_parameter_inputs, set_argument, written_inputs,
+    FP32_ACCUMULATING_OPS, MODEL_CAST_OPS, NORM_OPS, RESHAPE_OPS, TRACE_ASSERTS, VIEW_OPS, argument_value,
+    has_explicit_float_dtype, norm_parameter_inputs, set_argument, written_inputs,
 )
 from graphamp.dtypes import HALF_DTYPES, dtype_name
 from graphamp.errors import RewriteError

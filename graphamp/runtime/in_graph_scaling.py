@@ -20,7 +20,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from graphamp.errors import LossScalingError
 
-__all__ = ["amp_modules_of", "link", "register_parameters", "run_scaled", "scale_gradients"]
+__all__ = ["amp_modules_of", "link", "register_parameters", "run_scaled", "scale_gradients", "unscale_gradients"]
 
 # parameter -> weakref to the AmpModule it belongs to (weak both ways: an AmpModule holds its parameters).
 _amp_module_of_parameter = WeakIdKeyDictionary()
@@ -121,24 +121,21 @@ def scale_gradients(factor: torch.Tensor, tensors: list[torch.Tensor]) -> list[t
     The tensors requiring grad are replaced by new ones (same storage) whose gradients pass through one
     `_ScaleGradients` node: only what reaches them from outside is scaled, not what reaches the originals.
     """
-    positions = [i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
-    if not positions:
-        return tensors
-    scaled = _ScaleGradients.apply(factor, *(tensors[i] for i in positions))
-    return _put_back(tensors, positions, scaled)
+    return _through(_ScaleGradients, factor, tensors)
 
 
 def unscale_gradients(inv_scale: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """As scale_gradients(inv_scale, tensors), for the gradients the graph computes: divided in place."""
+    return _through(_UnscaleGradients, inv_scale, tensors)
+
+
+def _through(function: type[torch.autograd.Function], factor: torch.Tensor, tensors: list) -> list:
+    """`tensors`, those requiring grad replaced by `function`'s outputs for them (one node for all)."""
     positions = [i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not positions:
         return tensors
-    return _put_back(tensors, positions, _UnscaleGradients.apply(inv_scale, *(tensors[i] for i in positions)))
-
-
-def _put_back(tensors: list, positions: list[int], scaled) -> list:
     tensors = list(tensors)
-    for i, t in zip(positions, scaled):
+    for i, t in zip(positions, function.apply(factor, *(tensors[i] for i in positions))):
         tensors[i] = t
     return tensors
 
