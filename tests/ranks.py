@@ -2,12 +2,43 @@
 
 from __future__ import annotations
 
+import datetime
+import os
 import time
+import traceback
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+def run_scenarios(rank, store, out, world_size, collective_timeout_s, scenarios, arguments_of=lambda scenario: ()):
+    """On one rank: join the gloo group, run each scenario (its traceback is its result if it raises, for the test
+    that reads it to report), and save the results by scenario name to `out/rank{N}.pt`."""
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=collective_timeout_s),
+    )
+    results = {}
+    for scenario in scenarios:
+        try:
+            results[scenario.__name__] = scenario(rank, *arguments_of(scenario))
+        except Exception:
+            results[scenario.__name__] = traceback.format_exc()
+        dist.barrier()
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def results_of(ranks: list[dict], scenario, may_fail: bool = False) -> list:
+    """Each rank's result of `scenario`; a rank's traceback fails the test unless the scenario `may_fail`."""
+    found = [results[scenario.__name__] for results in ranks]
+    for rank, result in enumerate(found):
+        if isinstance(result, str) and not may_fail:
+            pytest.fail(f"{scenario.__name__} failed on rank {rank}:\n{result}")
+    return found
 
 
 def results_of_ranks(worker, out: Path, world_size: int, timeout_s: float) -> list[dict]:

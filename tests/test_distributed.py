@@ -8,13 +8,11 @@ COLLECTIVE_TIMEOUT_S.
 
 from __future__ import annotations
 
-import datetime
 import os
 import signal
 import subprocess
 import sys
 import tempfile
-import traceback
 from pathlib import Path
 
 import pytest
@@ -29,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import graphamp
-from ranks import results_of_ranks
+from ranks import results_of, results_of_ranks, run_scenarios
 from models import digits
 
 WORLD_SIZE = 2
@@ -190,19 +188,7 @@ SCENARIOS = [
 
 
 def _run_scenarios(rank: int, store: str, out: str) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD_SIZE,
-        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
-    )
-    results = {}
-    for scenario in SCENARIOS:
-        try:
-            results[scenario.__name__] = scenario(rank)
-        except Exception:  # reported by the test that reads this scenario
-            results[scenario.__name__] = traceback.format_exc()
-        dist.barrier()
-    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
-    dist.destroy_process_group()
+    run_scenarios(rank, store, out, WORLD_SIZE, COLLECTIVE_TIMEOUT_S, SCENARIOS)
 
 
 @pytest.fixture(scope="module")
@@ -212,12 +198,6 @@ def ranks(tmp_path_factory):
     return results_of_ranks(_run_scenarios, out, WORLD_SIZE, JOB_TIMEOUT_S)
 
 
-def results_of(ranks, scenario):
-    found = [results[scenario.__name__] for results in ranks]
-    for rank, result in enumerate(found):
-        if isinstance(result, str):
-            pytest.fail(f"{scenario.__name__} failed on rank {rank}:\n{result}")
-    return found
 
 
 # -- the specification ----------------------------------------------------------------------------------------------
