@@ -67,7 +67,7 @@ def measure(model_name: str, mode: str, dtype_name: str, device: str, steps: int
         started = time.perf_counter()
         net = graphamp.rewrite(
             model, example_kwargs=batches[0][0], amp_lists=lists, compile=compiled,
-            weight_cache=options.get("weight_cache", True),
+            weight_cache=options.get("weight_cache", False),
             compile_mode=options.get("compile_mode") if compiled else None,
         )
         result["rewrite_s"] = time.perf_counter() - started
@@ -176,7 +176,7 @@ def run_child(args, model_name: str, mode: str, dtype_name: str) -> dict:
         "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
         "--micro-batches", str(args.micro_batches),
     ]
-    command += ["--fused"] * args.fused + ["--no-weight-cache"] * args.no_weight_cache + ["--profile"] * args.profile
+    command += ["--fused"] * args.fused + ["--weight-cache"] * args.weight_cache + ["--profile"] * args.profile
     command += ["--compile-mode", args.compile_mode] if args.compile_mode else []
     command += ["--trace-dir", str(args.trace_dir)] if args.trace_dir else []
     print(f"  {model_name:9s} {mode:17s} {dtype_name} ...", file=sys.stderr, flush=True)
@@ -250,7 +250,7 @@ def table(results: list[dict], device: str, name: str) -> str:
 def _options_line(args) -> str:
     """The flags that change what a step is, in words, for the table's heading."""
     said = [f"{args.micro_batches} micro-batches per step" if args.micro_batches > 1 else ""]
-    said += ["fused AdamW" if args.fused else "", "graphamp without its weight cache" if args.no_weight_cache else ""]
+    said += ["fused AdamW" if args.fused else "", "graphamp with its weight cache" if args.weight_cache else ""]
     said += [f"compile mode {args.compile_mode}" if args.compile_mode else ""]
     said = [s for s in said if s]
     return f"Options: {', '.join(said)}. " if said else ""
@@ -286,7 +286,7 @@ def main() -> None:
     parser.add_argument("--results", type=Path, help="write the tables into this markdown file")
     parser.add_argument("--micro-batches", type=int, default=1, help="backwards accumulated per optimizer step")
     parser.add_argument("--fused", action="store_true", help="AdamW(fused=True): found_inf stays on the device")
-    parser.add_argument("--no-weight-cache", action="store_true", help="graphamp casts every weight at each forward")
+    parser.add_argument("--weight-cache", action="store_true", help="graphamp keeps its weight casts between forwards")
     parser.add_argument("--compile-mode", help='torch.compile mode of the +compile modes, e.g. "reduce-overhead"')
     parser.add_argument("--profile", action="store_true", help="also a table of where the time goes (torch.profiler)")
     parser.add_argument("--trace-dir", type=Path, help="with --profile: a Chrome trace per (model, mode, dtype) here")
@@ -295,7 +295,7 @@ def main() -> None:
 
     if args.child:
         options = {
-            "micro_batches": args.micro_batches, "fused": args.fused, "weight_cache": not args.no_weight_cache,
+            "micro_batches": args.micro_batches, "fused": args.fused, "weight_cache": args.weight_cache,
             "compile_mode": args.compile_mode, "profile": args.profile, "trace_dir": args.trace_dir,
         }
         if args.trace_dir:

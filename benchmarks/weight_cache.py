@@ -7,7 +7,8 @@ Casts are counted by graphamp.inspection.recording.DtypeRecorder over a steady s
 backward N times, then AdamW's step), for torch.autocast, graphamp without its weight cache and graphamp with it.
 Counts do not depend on the device, so this runs on a CPU (the models scaled down, bench_models.py); the memory
 of the copies is given for those models and for the full-size ones (the same parameters, counted on the meta
-device). Speed is measured by train_step.py (--micro-batches 4, --no-weight-cache) on a GPU: see GPU_RUNBOOK.md.
+device). `--time` also times a train step with and without the cache (eager and compiled, rounds interleaved,
+median): on a CPU with native bfloat16 (AVX512-BF16) the figures are real; the GPU commands are in GPU_RUNBOOK.md.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import argparse
 import contextlib
 import datetime
 import re
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -84,11 +87,72 @@ def _role(fqn: str) -> str:
     return re.sub(r"\.\d+\.", ".*.", fqn)
 
 
+def step_seconds(model_name: str, micro_batches: int, compile: bool, rounds: int = 3, steps: int = 4) -> dict:
+    """Median seconds per optimizer step of graphamp with and without its cache, timed in interleaved rounds."""
+    import copy
+
+    import graphamp
+    from bench_models import build
+
+    torch.manual_seed(0)
+    workload = build(model_name, "cpu", "cpu")
+    inputs, target = workload.batches[0]
+    lists = graphamp.AutoMixedPrecisionLists(dtype="bfloat16")
+    runs = {}
+    for cache in (False, True):
+        model = copy.deepcopy(workload.model)
+        amp_model = graphamp.rewrite(
+            model, example_kwargs=inputs, amp_lists=lists, weight_cache=cache, compile=compile, progress=False
+        )
+        runs[cache] = (amp_model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+
+    def step(cache):
+        amp_model, optimizer = runs[cache]
+        for _ in range(micro_batches):
+            workload.loss(amp_model(**inputs), target).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for cache in runs:  # warm-up: captures, compiles, optimizer state
+        step(cache)
+        step(cache)
+    times = {cache: [] for cache in runs}
+    for _ in range(rounds):
+        for cache in runs:
+            start = time.perf_counter()
+            for _ in range(steps):
+                step(cache)
+            times[cache].append((time.perf_counter() - start) / steps)
+    return {cache: statistics.median(t) for cache, t in times.items()}
+
+
+def print_step_times(models: list[str], micro_batches: list[int]) -> None:
+    print(
+        "\n| model | N | compiled | no cache s/step | cache s/step | no cache / cache (>1: the cache is faster) |"
+        "\n|---|---:|---|---:|---:|---:|"
+    )
+    for model_name in models:
+        for n in micro_batches:
+            for compile in (False, True):
+                print(f"  timing {model_name} N={n} compile={compile} ...", file=sys.stderr, flush=True)
+                t = step_seconds(model_name, n, compile)
+                print(
+                    f"| {model_name} | {n} | {'yes' if compile else 'no'} | {t[False]:.3f} | {t[True]:.3f} "
+                    f"| {t[False] / t[True]:.2f}× |", flush=True,
+                )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--micro-batches", default="1,4", help="comma-separated N")
+    parser.add_argument("--time", action="store_true", help="only time steps with and without the cache")
     args = parser.parse_args()
+    if args.time:
+        print(f"weight cache step time, bfloat16, {_cpu_name()}, torch {torch.__version__}, "
+              f"{datetime.date.today().isoformat()}")
+        print_step_times(args.models.split(","), [int(n) for n in args.micro_batches.split(",")])
+        return
     import transformers
 
     print(

@@ -8,8 +8,10 @@ the "automatic dynamic" rule of graphamp.runtime.shapes: a signature's second si
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import threading
 import warnings
 import weakref
 from collections import OrderedDict
@@ -27,11 +29,11 @@ from graphamp.dtypes import HALF_DTYPES, check_dtype_runs_on, dtype_name
 from graphamp.errors import ArgumentError, DoubleAmpError
 from graphamp.runtime.in_graph_scaling import register_parameters, run_scaled
 from graphamp.runtime.generation import generate
-from graphamp.runtime.fingerprint import module_fingerprint
+from graphamp.runtime.fingerprint import DeathWatch, module_fingerprint
 from graphamp.lists import AutoMixedPrecisionLists
-from graphamp.runtime.module_hooks import check_backward_hooks, noting_side_effect_hooks
+from graphamp.runtime.module_hooks import check_global_hooks
 from graphamp.runtime.progress import Progress
-from graphamp.runtime.regions import Regions, check_sharding, region_paths
+from graphamp.runtime.regions import Regions, called_module_paths, root_is_called_as_module
 from graphamp.runtime.shapes import InputGuard, InputSignature, is_dynamic, signature_of, specialized_dims, without_defaults
 from graphamp.runtime.weight_cache import WeightCache, feed_weight_casts
 
@@ -61,7 +63,7 @@ class AmpModule(nn.Module):
 
     def __init__(
         self, model, amp_lists, level="O1", compile=False, fp32_outputs=True, max_captures=DEFAULT_MAX_CAPTURES,
-        progress=None, regions=None, dynamic=None, checkpoint=None, weight_cache=True, compile_mode=None,
+        progress=None, regions=None, dynamic=None, checkpoint=None, weight_cache=False, compile_mode=None,
     ):
         nn.Module.__init__(self)  # not super(): the next class may be the original's, whose __init__ builds a model
         self.__dict__["_original"] = model  # not registered: its tables are ours already
@@ -79,7 +81,7 @@ class AmpModule(nn.Module):
                 "regions= runs each block from a static capture: pass dynamic=None or False with regions "
                 "(each new input shape is then captured once)."
             )
-        self.dynamic = False if regions is not None else dynamic  # a region's calls are keyed by their shapes
+        self.dynamic = dynamic
         self.progress = Progress(progress)
         self.checkpoint = checkpoint
         # Keys: an InputSignature for a static capture, (signature without sizes, InputGuard) for a dynamic one.
@@ -90,10 +92,15 @@ class AmpModule(nn.Module):
         self._captures: OrderedDict[Hashable, Captured] = OrderedDict()
         self._sizes_captured: dict[InputSignature, list[tuple]] = {}  # per signature without sizes
         self._last: Captured | None = None
-        self._regions = Regions(model, region_paths(model, regions)) if regions is not None else None
+        self._region_patterns = regions
+        self._regions: Regions | None = None
         self._linked_optimizer: weakref.ref | None = None
         register_parameters(self)
         self._fingerprint: tuple | None = None  # of the model as the cached captures saw it
+        self._watch = DeathWatch()  # a module or tensor the captures read has died: its id() may come back
+        # torch.export swaps fake tensors into the model while it captures: no other thread may run it then.
+        self._lock = threading.RLock()
+        self._sync_regions()
 
     @property
     def original_module(self) -> nn.Module:
@@ -140,11 +147,15 @@ class AmpModule(nn.Module):
 
     def _run(self, args: tuple, kwargs: dict, dynamic: bool | None = None):
         check_no_autocast(device_of(self._original))
+        with self._lock:
+            return self._run_locked(args, kwargs, dynamic)
+
+    def _run_locked(self, args: tuple, kwargs: dict, dynamic: bool | None):
         captured, flat_inputs = self._captured_for(args, kwargs, dynamic)
-        if self._regions is not None:
-            return self._regions.call(captured, args, kwargs)
-        lifted = [source.get() for source in captured.lifted]
         scale = self._loss_scaling_for_this_call()
+        if self._regions is not None:
+            return self._regions.call(captured, args, kwargs, scale)
+        lifted = [source.get() for source in captured.lifted]
         if scale is None:
             outputs = captured.run(*lifted, *flat_inputs, *self._weight_casts(captured, lifted))
         else:
@@ -167,14 +178,25 @@ class AmpModule(nn.Module):
         self._captures.clear()
         self._fingerprint = None
 
+    def _sync_regions(self) -> None:
+        """Derive again which modules run as modules (regions named, hooked, sharded) and install their forwards."""
+        paths = called_module_paths(self._original, self._region_patterns)
+        wanted = bool(paths) or root_is_called_as_module(self._original)
+        if self._regions is not None:
+            if wanted and self._regions.paths == paths:
+                return
+            self._regions.uninstall()
+        self._regions = Regions(self._original, paths) if wanted else None
+
     def _captured_for(self, args: tuple, kwargs: dict, dynamic: bool | None = None) -> tuple[Captured, list]:
         """The capture serving this call (made if none does) and the call's flat inputs.
 
         dynamic: True captures with dynamic dims at once, as generation does; None follows `self.dynamic`.
         """
         fingerprint = self._model_fingerprint()
-        if fingerprint is not None and fingerprint != self._fingerprint:
+        if (fingerprint is not None and fingerprint != self._fingerprint) or self._watch.changed:
             self._captures.clear()  # a graph of the model as it was must never run again
+            self._sync_regions()
         # One capture whatever order keywords come in, and whether or not a default is passed explicitly.
         kwargs = dict(sorted(without_defaults(self._original, kwargs).items()))
         signature, flat_inputs = signature_of(self.training, device_of(self._original), args, kwargs)
@@ -182,10 +204,11 @@ class AmpModule(nn.Module):
         if key is None:
             if not self._captures:
                 check_master_weights(self._original)  # again: `.half()` or a swapped-in module since rewrite
-            check_backward_hooks(self._original, self._regions.paths if self._regions is not None else ())
+            check_global_hooks()
             key = self._capture_signature(signature, args, kwargs, self.dynamic if dynamic is None else dynamic)
             # Taken after capture: a model may register hooks on its first call (transformers' output capturing).
             self._fingerprint = self._model_fingerprint() or self._fingerprint
+            self._watch.watch(self._original, parameters=not _sharded_by_fsdp2(self))
         else:
             self._captures.move_to_end(key)
         self._last = self._captures[key]
@@ -211,6 +234,7 @@ class AmpModule(nn.Module):
             sizes_captured.append(signature.sizes)
         # Once any signature's sizes have varied, a new keyword set is captured dynamic at once: one capture each.
         make_dynamic = bool(dynamic) or (dynamic is None and any(len(sizes) > 1 for sizes in self._sizes_captured.values()))
+        make_dynamic = make_dynamic and self._regions is None  # a region's pieces are keyed by their shapes
         captured = self._capture(args, kwargs, make_dynamic)
         key = signature
         if make_dynamic and is_dynamic(captured.graph_module):
@@ -246,28 +270,12 @@ class AmpModule(nn.Module):
 
     def _capture(self, args: tuple, kwargs: dict, dynamic: bool = False) -> Captured:
         timings = {}
-        with (
-            self.progress.phase(CAPTURE_PHASE, timings),
-            marking_checkpoints(self._original, self.checkpoint),
-            noting_side_effect_hooks(self._original) as side_effect_hooks,
-        ):
-            if self._regions is None:
-                captured = capture(
-                    self._original, args, kwargs, dynamic=dynamic, promote_ops=self.amp_lists.promote_ops
-                )
-            else:
-                with self._regions.capturing():
-                    captured = capture(
-                        self._original, args, kwargs, self._regions.paths, dynamic=dynamic,
-                        promote_ops=self.amp_lists.promote_ops,
-                    )
-        if side_effect_hooks:
-            warnings.warn(
-                f"{'; '.join(side_effect_hooks)} returned None while graphamp captured the model: what it does to "
-                f"forward's values is in the graph, but its other side effects (a list it appends to, a print) ran "
-                f"only during the capture. Register it on the AmpModule itself, or return what it records from "
-                f"forward.",
-                stacklevel=4,
+        regions = self._regions.capturing() if self._regions is not None else contextlib.nullcontext()
+        # Regions first: checkpoint= marks the class forwards of the modules it matches, regions or not.
+        with self.progress.phase(CAPTURE_PHASE, timings), regions, marking_checkpoints(self._original, self.checkpoint):
+            captured = capture(
+                self._original, args, kwargs, tuple(self._regions.paths) if self._regions is not None else (),
+                dynamic=dynamic, promote_ops=self.amp_lists.promote_ops,
             )
         with self.progress.phase(CAST_PASS_PHASE, timings):
             captured.report = insert_casts(
@@ -408,7 +416,7 @@ def rewrite(
     regions: str | list[str] | None = None,
     dynamic: bool | None = None,
     checkpoint: str | None = None,
-    weight_cache: bool = True,
+    weight_cache: bool = False,
     compile_mode: str | None = None,
 ) -> AmpModule:
     """Capture `model` with torch.export and return an AmpModule that runs it in mixed precision.
@@ -436,7 +444,8 @@ def rewrite(
             model does itself (torch.utils.checkpoint, HF gradient_checkpointing_enable()) is kept without it.
             See docs/module_contract.md.
         weight_cache: keep the float16/bfloat16 copies of the weights between forwards, recast once after each
-            optimizer step instead of at every forward (docs/performance.md says what counts as a change).
+            optimizer step instead of at every forward. Off by default: writes through `param.data` cannot be
+            seen, and the copies cost memory between steps (docs/performance.md has the figures).
         compile_mode: torch.compile's mode, e.g. "reduce-overhead" (CUDA graphs) or "max-autotune"; needs
             compile=True.
 
@@ -447,7 +456,6 @@ def rewrite(
         "rewrite", model, example_args, example_kwargs, amp_lists, level, compile
     )
     check_max_captures(max_captures)
-    check_sharding(model, regions)
     matching_modules(model, checkpoint)  # a pattern that matches nothing fails before the capture
     if compile_mode is not None and not compile:
         raise ValueError(f"compile_mode={compile_mode!r} is torch.compile's mode: pass compile=True with it.")

@@ -9,10 +9,35 @@ Python attributes read in forward (`self.use_relu`) are not in it: `AmpModule.re
 
 from __future__ import annotations
 
+import weakref
+
 from torch import nn
 from torch.nn.modules import module as _module_globals
 
-__all__ = ["module_fingerprint"]
+__all__ = ["DeathWatch", "module_fingerprint"]
+
+
+class DeathWatch:
+    """Says when a module or tensor a capture read has died since: a new object may then get its id(), which
+    the fingerprint alone would take for the old one (a submodule swapped for a fresh one of the same layout).
+    The weak references' callbacks fire when the object dies, so no call pays for the watch."""
+
+    def __init__(self) -> None:
+        self.changed = False
+        self._refs: list[weakref.ref] = []
+
+    def watch(self, model: nn.Module, parameters: bool = True) -> None:
+        """Watch the modules of `model` and the tensors they hold (not the parameters: FSDP2 swaps them)."""
+        def died(_, watch=weakref.ref(self)):
+            if watch() is not None:
+                watch().changed = True
+
+        objects = [m for m in model.modules()]
+        objects += [t for m in objects for t in m._buffers.values() if t is not None]
+        if parameters:
+            objects += [t for m in objects if isinstance(m, nn.Module) for t in m._parameters.values() if t is not None]
+        self._refs = [weakref.ref(o, died) for o in objects]
+        self.changed = False
 
 
 def module_fingerprint(model: nn.Module, parameter_identity: bool = True) -> tuple | None:

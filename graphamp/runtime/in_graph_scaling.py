@@ -20,7 +20,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from graphamp.errors import LossScalingError
 
-__all__ = ["amp_modules_of", "link", "register_parameters", "run_scaled", "scale_gradients", "unscale_gradients"]
+__all__ = [
+    "amp_modules_of", "link", "register_parameters", "run_scaled", "scale_gradients", "scaling_factors", "unscale_gradients",
+]
 
 # parameter -> weakref to the AmpModule it belongs to (weak both ways: an AmpModule holds its parameters).
 _amp_module_of_parameter = WeakIdKeyDictionary()
@@ -148,13 +150,13 @@ def run_scaled(run, inputs: list, scale: torch.Tensor, weight_casts=None):
     `inputs`; their gradients are divided in float32, after the cast up (graphamp.runtime.weight_cache), since a division
     in float16 would flush the small gradients the scaling is there to keep.
     """
-    up, down = _scaling_factors(scale)
+    up, down = scaling_factors(scale)
     casts = weight_casts(down) if weight_casts is not None else []
     # Outputs computed from other outputs (HF's loss from the logits): only the gradient from outside is scaled.
     return scale_gradients(up, list(run(*unscale_gradients(down, inputs), *casts)))
 
 
-def _scaling_factors(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def scaling_factors(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, 1/scale) as of now: the scale's update at this iteration's step() must not reach its backward."""
     # The reciprocal in float64 (MPS has none), as GradScaler's unscale_: float32 division is inexact under some
     # compile options.

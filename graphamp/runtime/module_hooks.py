@@ -1,16 +1,17 @@
-"""Which module hooks a rewritten graph can honour, and a clear error for those it cannot.
+"""Which modules carry hooks of the user's, so that they run on every call with the real values.
 
-Non-strict torch.export calls every module through `nn.Module.__call__`, so forward pre-hooks and forward
-hooks (with or without kwargs) run while graphamp captures: what they do to values (a returned replacement,
-an in-place edit, a tensor they hand to forward's outputs) is in the graph and runs on every call, and adding
-or removing one makes the next call recapture (graphamp.runtime.fingerprint). Backward hooks on submodules cannot be
-honoured: the graph's backward is autograd's over the aten ops, with no module boundary left to call them at.
+A forward (pre-)hook the user registered may work by side effect (a list it appends to, a counter, a value it
+reads with `.item()`) and a backward hook fires at a module boundary, neither of which a captured graph can
+repeat. So every such module becomes a region (graphamp.runtime.regions): it is called through its own
+`nn.Module.__call__` on every call, its hooks running as in eager around its piece of the rewritten graph.
+Hooks of installed libraries stay in the graph: they compute values forward returns (transformers' output
+capturing, torch's weight_norm) and repeat with the graph. Global module hooks fire at every module call,
+which no graph can honour: they are refused by name.
 """
 
 from __future__ import annotations
 
 import sysconfig
-from contextlib import contextmanager
 from pathlib import Path
 
 from torch import nn
@@ -18,88 +19,53 @@ from torch.nn.modules import module as _module_globals
 
 from graphamp.errors import HookError
 
-__all__ = ["BACKWARD_HOOK_FIX", "check_backward_hooks", "noting_side_effect_hooks"]
+__all__ = ["check_global_hooks", "has_hooks_of_the_user", "hooked_module_paths"]
 
-BACKWARD_HOOK_FIX = (
-    "make that module a region, rewrite(..., regions='<its path>'), so it is called through its own __call__ "
-    "and its hooks run as in eager; or register the hook on the AmpModule itself, or use a tensor hook "
-    "(output.register_hook) on a value forward returns"
-)
+_FORWARD_TABLES = ("_forward_pre_hooks", "_forward_hooks")
+_BACKWARD_TABLES = ("_backward_pre_hooks", "_backward_hooks")
 
 
-def check_backward_hooks(model: nn.Module, region_paths=()) -> None:
-    """Raise HookError naming the first backward hook on `model` or its submodules, or a global one.
+def hooked_module_paths(model: nn.Module) -> list[str]:
+    """The paths of the submodules (not the root) with a forward hook of the user's or any backward hook."""
+    return [path for path, module in model.named_modules() if path and has_hooks_of_the_user(module)]
 
-    Args:
-        model: the module about to be captured (the original, not the AmpModule).
-        region_paths: the submodules `rewrite(..., regions=...)` calls through nn.Module.__call__: their own
-            hooks run as in eager, so they may have backward hooks.
-    """
-    for path, module in model.named_modules():
-        if path in region_paths:
-            continue
-        where = f"submodule '{path}'" if path else "the model"
-        backward_hooks = (("backward pre-hook", module._backward_pre_hooks), ("backward hook", module._backward_hooks))
-        for kind, hooks in backward_hooks:
-            for hook in hooks.values():
-                raise HookError(
-                    f"{_name(hook)} is a {kind} on {where} ({type(module).__name__}); a rewritten graph runs no "
-                    f"module hooks in backward, so it would never fire. Fix: {BACKWARD_HOOK_FIX}."
-                )
-    for kind, hooks in (
-        ("global backward pre-hook", _module_globals._global_backward_pre_hooks),
-        ("global backward hook", _module_globals._global_backward_hooks),
-    ):
+
+def has_hooks_of_the_user(module: nn.Module) -> bool:
+    """Whether eager PyTorch would run a hook on this module's call that a graph cannot repeat."""
+    if any(getattr(module, table) for table in _BACKWARD_TABLES):
+        return True
+    return any(
+        not _from_installed_library(hook) for table in _FORWARD_TABLES for hook in getattr(module, table).values()
+    )
+
+
+def check_global_hooks() -> None:
+    """Raise HookError naming a global module hook of the user's: it fires at every module call, even inside
+    a graph's ops' modules, which no rewritten graph can honour."""
+    tables = (
+        ("global forward pre-hook", _module_globals._global_forward_pre_hooks, True),
+        ("global forward hook", _module_globals._global_forward_hooks, True),
+        ("global backward pre-hook", _module_globals._global_backward_pre_hooks, False),
+        ("global backward hook", _module_globals._global_backward_hooks, False),
+    )
+    for kind, hooks, libraries_allowed in tables:
         for hook in hooks.values():
+            if libraries_allowed and _from_installed_library(hook):
+                continue
             raise HookError(
-                f"{_name(hook)} is a {kind} (torch.nn.modules.module.register_module_full_backward_hook); a "
-                f"rewritten graph runs no module hooks in backward. Fix: remove it while the AmpModule runs, or "
-                f"{BACKWARD_HOOK_FIX}."
+                f"{_name(hook)} is a {kind} (torch.nn.modules.module.register_module_*_hook): it fires at every "
+                f"module call, and a rewritten graph calls only the model and the modules with hooks of their own. "
+                f"Fix: remove it while the AmpModule runs, or register it on the modules it is for."
             )
-
-
-@contextmanager
-def noting_side_effect_hooks(model: nn.Module):
-    """While capturing: yields a list that gets a description of each forward (pre-)hook that returned None.
-
-    Such a hook works by side effect; in the graph only the part that reaches forward's values repeats, the
-    rest (a list it appends to, a print) ran once, at capture. Hooks of installed libraries are left out:
-    transformers' output capturing, for one, feeds forward's outputs and is honoured.
-
-    Args:
-        model: the module being captured.
-    """
-    noted: list[str] = []
-    wrapped = []
-    for path, module in model.named_modules():
-        for kind, hooks in (("forward pre-hook", module._forward_pre_hooks), ("forward hook", module._forward_hooks)):
-            for key, hook in list(hooks.items()):
-                if not _from_installed_library(hook):
-                    where = f"submodule '{path}'" if path else "the model"
-                    hooks[key] = _noting_none(hook, noted, f"{kind} {_name(hook)} on {where}")
-                    wrapped.append((hooks, key, hook))
-    try:
-        yield noted
-    finally:
-        for hooks, key, hook in wrapped:
-            if key in hooks:
-                hooks[key] = hook
-
-
-def _noting_none(hook, noted: list[str], description: str):
-    def noting(*args, **kwargs):
-        result = hook(*args, **kwargs)
-        if result is None and description not in noted:
-            noted.append(description)
-        return result
-    return noting
 
 
 _LIBRARY_DIRS = tuple({str(Path(sysconfig.get_paths()[key]).resolve()) for key in ("purelib", "platlib")})
 
 
 def _from_installed_library(hook) -> bool:
-    code = getattr(hook, "__code__", None)
+    code = getattr(hook, "__code__", None) or getattr(getattr(hook, "__func__", None), "__code__", None)
+    if code is None:  # a callable object: torch's WeightNorm, say
+        code = getattr(getattr(type(hook), "__call__", None), "__code__", None)
     return code is not None and str(Path(code.co_filename).resolve()).startswith(_LIBRARY_DIRS)
 
 

@@ -25,10 +25,12 @@ from torch.export.graph_signature import TensorArgument
 
 from graphamp.capture import Captured, LiftedInput
 from graphamp.runtime.compiled import CompiledGraph
-from graphamp.errors import CaptureError
+from graphamp.errors import CaptureError, HookError
 from graphamp.lists import Decision
+from graphamp.runtime.in_graph_scaling import scale_gradients, scaling_factors, unscale_gradients
+from graphamp.runtime.module_hooks import has_hooks_of_the_user, hooked_module_paths
 
-__all__ = ["Regions", "check_sharding", "region_paths"]
+__all__ = ["Regions", "called_module_paths", "region_paths", "root_is_called_as_module"]
 
 _HOOK_TABLES = (
     "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
@@ -77,29 +79,49 @@ def _block_example(model: nn.Module) -> str:
     return "layers.*"
 
 
-def check_sharding(model: nn.Module, regions) -> None:
-    """FSDP2 groups run their all-gathers in their modules' hooks: only the root and regions are called as modules.
+def called_module_paths(model: nn.Module, regions=None) -> list[str]:
+    """The submodules an AmpModule calls through their own nn.Module.__call__, in module order: the regions
+    named, those with hooks of the user's (graphamp.runtime.module_hooks), and those FSDP2 shards (their
+    all-gathers and reduce-scatters run in their hooks). Derived again whenever the model's tree or hooks change.
 
-    Raises CaptureError with the fix for a sharded model without regions, or a sharded submodule no region covers.
+    Args:
+        model: the original model.
+        regions: the patterns passed to rewrite(..., regions=...), or None.
     """
+    why = {path: "named in regions=" for path in (region_paths(model, regions) if regions is not None else [])}
+    for path in hooked_module_paths(model):
+        why.setdefault(path, "it has hooks that must run on every call")
+    for path in sharded_module_paths(model):
+        why.setdefault(path, "it is sharded with fully_shard")
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    paths = sorted(why, key=order.__getitem__)
+    for outer in paths:
+        for inner in paths:
+            if inner.startswith(outer + "."):
+                raise HookError(
+                    f"'{inner}' ({why[inner]}) lies inside '{outer}' ({why[outer]}); both must be called as modules "
+                    f"on every call, and graphamp runs what is inside a called module as one graph. Fix: keep hooks "
+                    f"and fully_shard on modules that do not contain each other (the blocks, or their layers)."
+                )
+    return paths
+
+
+def root_is_called_as_module(model: nn.Module) -> bool:
+    """Whether the model's own call must run its hooks around the graph (hooks of the user's, FSDP2's root)."""
+    return has_hooks_of_the_user(model) or model in _fsdp_modules(model)
+
+
+def sharded_module_paths(model: nn.Module) -> list[str]:
+    sharded = _fsdp_modules(model)
+    return [name for name, module in model.named_modules() if name and module in sharded]
+
+
+def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    if not torch.distributed.is_available():
+        return []
     from torch.distributed.fsdp import FSDPModule
 
-    sharded = [name for name, module in model.named_modules() if isinstance(module, FSDPModule)]
-    if not sharded:
-        return
-    if regions is None:
-        raise CaptureError(
-            f"{type(model).__name__} is sharded with FSDP2 (fully_shard), whose all-gathers run in the sharded "
-            f"modules' hooks, which a whole-model graph never calls. Fix: pass regions= naming the blocks you "
-            f"sharded, e.g. rewrite(model, ..., regions={_block_example(model)!r})."
-        )
-    paths = region_paths(model, regions)
-    uncovered = [name for name in sharded if name and name not in paths]
-    if uncovered:
-        raise CaptureError(
-            f"'{uncovered[0]}' is sharded with fully_shard but is not one of the regions {regions!r}: its "
-            f"parameters would never be gathered. Fix: shard only the regions and the root, or add it to regions."
-        )
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
 @dataclass
@@ -114,14 +136,22 @@ class Piece:
     out_spec: pytree.TreeSpec
 
 
+class _CallScaling:
+    """1/scale of the AmpModule call running now under loss scaling in the graph, else None: the gradients
+    leaving each piece into its parameters are divided by it, as run_scaled does for a whole-model graph."""
+
+    inv_scale: torch.Tensor | None = None
+
+
 class RegionForward:
     """Installed as a region module's `forward`: runs the piece captured for this call's signature.
 
     A call no capture has seen (the block called on its own, another shape) runs the class's own forward.
     """
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, scaling: _CallScaling):
         self.module = module
+        self.scaling = scaling
         self.pieces: dict = {}
 
     def __call__(self, *args, **kwargs):
@@ -129,7 +159,10 @@ class RegionForward:
         piece = self.pieces.get(_call_key(self.module.training, spec, flat))
         if piece is None:
             return type(self.module).forward(self.module, *args, **kwargs)
-        results = piece.run(*(flat[i] for i in piece.tensor_positions), *(source.get() for source in piece.state))
+        state = [source.get() for source in piece.state]
+        if self.scaling.inv_scale is not None:
+            state = unscale_gradients(self.scaling.inv_scale, state)
+        results = piece.run(*(flat[i] for i in piece.tensor_positions), *state)
         leaves = [results[o] if isinstance(o, int) else o.value for o in piece.outputs]
         return pytree.tree_unflatten(leaves, piece.out_spec)
 
@@ -160,38 +193,58 @@ class _RegionCall(nn.Module):
 class _GlueForward:
     """The root's forward while an AmpModule call runs: the glue graph, its state read after the root's hooks."""
 
-    def __init__(self, captured: Captured):
+    def __init__(self, captured: Captured, scaling: _CallScaling, scale: torch.Tensor | None):
         self.captured = captured
+        self.scaling = scaling
+        self.scale = scale
 
     def __call__(self, *args, **kwargs):
         captured = self.captured
         flat = pytree.tree_leaves((args, dict(sorted(kwargs.items()))))
-        outputs = captured.run(*(source.get() for source in captured.lifted), *flat)
+        inputs = [*(source.get() for source in captured.lifted), *flat]
+        if self.scale is None:
+            outputs = captured.run(*inputs)
+        else:
+            # Only what enters the outputs from outside is scaled; every piece's parameters are unscaled on the way.
+            up, self.scaling.inv_scale = scaling_factors(self.scale)
+            outputs = scale_gradients(up, list(captured.run(*unscale_gradients(self.scaling.inv_scale, inputs))))
         return pytree.tree_unflatten([outputs[i] for i in captured.user_outputs], captured.out_spec)
 
 
 @dataclass
 class Regions:
-    """The regions of one AmpModule: their paths, their installed forwards, and the pieces shared between blocks."""
+    """The modules of one AmpModule called as modules (regions): their installed forwards, and the pieces
+    shared between identical blocks. With no paths it still calls the root through its __call__ (its hooks)."""
 
     model: nn.Module
     paths: list[str]
     forwards: dict[str, RegionForward] = field(default_factory=dict)
     shared: dict = field(default_factory=dict)  # a piece's structure -> (graph_module, run), for identical blocks
+    scaling: _CallScaling = field(default_factory=_CallScaling)
 
     def __post_init__(self):
         for path in self.paths:
             module = self.model.get_submodule(path)
-            self.forwards[path] = RegionForward(module)
+            self.forwards[path] = RegionForward(module, self.scaling)
             module.forward = self.forwards[path]
+
+    def uninstall(self) -> None:
+        """Give each region back its class's forward (the regions are about to be derived again)."""
+        for path, forward in self.forwards.items():
+            try:
+                module = self.model.get_submodule(path)
+            except AttributeError:  # the module was removed from the tree
+                module = forward.module
+            if module.__dict__.get("forward") is forward:
+                del module.forward
+            if forward.module.__dict__.get("forward") is forward:
+                del forward.module.forward
 
     @contextlib.contextmanager
     def capturing(self):
         """The model as torch.export must see it: class forwards, no hooks on root and regions, FSDP2 gathered."""
-        from torch.distributed.fsdp import FSDPModule
-
         modules = [self.model, *(self.model.get_submodule(p) for p in self.paths)]
-        sharded = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        sharded = _fsdp_modules(self.model)
         stashed = [(m, {t: getattr(m, t) for t in _HOOK_TABLES if hasattr(m, t)}) for m in modules]
         for module, tables in stashed:
             for table, hooks in tables.items():
@@ -210,13 +263,18 @@ class Regions:
             for path, forward in self.forwards.items():
                 self.model.get_submodule(path).forward = forward
 
-    def call(self, captured: Captured, args: tuple, kwargs: dict):
-        """Call the model through its own __call__ (the root's hooks run), with the glue graph as its forward."""
-        self.model.forward = _GlueForward(captured)
+    def call(self, captured: Captured, args: tuple, kwargs: dict, scale: torch.Tensor | None = None):
+        """Call the model through its own __call__ (the root's hooks run), with the glue graph as its forward.
+
+        Args:
+            scale: the loss scaling to apply in the graph (a linked decorated optimizer's), or None.
+        """
+        self.model.forward = _GlueForward(captured, self.scaling, scale)
         try:
             return self.model(*args, **kwargs)
         finally:
             del self.model.forward
+            self.scaling.inv_scale = None
 
     def split(self, captured: Captured, compile: bool, progress, timings: dict) -> torch.fx.GraphModule:
         """Cut the rewritten whole-model graph into the glue (returned) and one piece per block call (installed)."""
