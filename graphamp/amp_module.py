@@ -145,6 +145,9 @@ class AmpModule(nn.Module):
     def forward(self, *args, **kwargs):
         return self._run(args, kwargs)
 
+    # torch.compile(amp_model) leaves the call to graphamp: it runs its own (compile=True: inductor) graphs, and
+    # dynamo tracing into capture and the per-call checks would freeze them.
+    @torch.compiler.disable
     def _run(self, args: tuple, kwargs: dict, dynamic: bool | None = None):
         check_no_autocast(device_of(self._original))
         with self._lock:

@@ -1,7 +1,8 @@
 """Activation checkpointing survives the rewrite: torch.utils.checkpoint (both use_reentrant settings), HF
 gradient_checkpointing_enable() and rewrite(checkpoint=pattern) save for backward within 15% of what
-torch.autocast saves with the same checkpointing, and give autocast's gradients. The comparisons turn the weight
-cache off: they compare activations, and the cache's copies are held between steps anyway (test_weight_cache.py)."""
+torch.autocast saves with the same checkpointing, and give autocast's gradients, with rewrite's default settings.
+With regions, checkpoint= still checkpoints the blocks it names; torch.distributed's composable checkpoint(module)
+makes its module a region of its own."""
 
 import pytest
 import torch
@@ -66,7 +67,7 @@ def stack_and_batch(use_reentrant):
 @pytest.mark.parametrize("use_reentrant", [True, False])
 def test_torch_checkpoint_saves_what_autocast_saves(bf16, use_reentrant):
     model, x = stack_and_batch(use_reentrant)
-    amp = graphamp.rewrite(model, (x,), amp_lists=bf16, weight_cache=False)
+    amp = graphamp.rewrite(model, (x,), amp_lists=bf16)
     amp_saved, autocast_saved, gradient_error = compare_with_autocast(model, lambda: amp(x), lambda: model(x))
     _, unchecked_saved, _ = compare_with_autocast(*_unchecked(x, bf16))
     assert abs(amp_saved - autocast_saved) <= 0.15 * autocast_saved
@@ -76,7 +77,7 @@ def test_torch_checkpoint_saves_what_autocast_saves(bf16, use_reentrant):
 
 def _unchecked(x, amp_lists):
     model, _ = stack_and_batch(None)
-    amp = graphamp.rewrite(model, (x,), amp_lists=amp_lists, weight_cache=False)
+    amp = graphamp.rewrite(model, (x,), amp_lists=amp_lists)
     return model, lambda: amp(x), lambda: model(x)
 
 
@@ -103,7 +104,7 @@ def test_hf_gradient_checkpointing_saves_what_autocast_saves(bf16, use_reentrant
     model = gpt2()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
     ids = token_batch()
-    amp = graphamp.rewrite(model, (), {"input_ids": ids, "labels": ids}, amp_lists=bf16, weight_cache=False)
+    amp = graphamp.rewrite(model, (), {"input_ids": ids, "labels": ids}, amp_lists=bf16)
     amp_saved, autocast_saved, gradient_error = compare_with_autocast(
         model, lambda: amp(input_ids=ids, labels=ids).loss, lambda: model(input_ids=ids, labels=ids).loss
     )
@@ -115,7 +116,7 @@ def test_hf_gradient_checkpointing_saves_less_than_without(bf16):
     torch.manual_seed(0)
     model = gpt2()
     ids = token_batch()
-    amp = graphamp.rewrite(model, (), {"input_ids": ids, "labels": ids}, amp_lists=bf16, weight_cache=False)
+    amp = graphamp.rewrite(model, (), {"input_ids": ids, "labels": ids}, amp_lists=bf16)
     without = saved_activation_bytes(model, lambda: amp(input_ids=ids, labels=ids).loss)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     amp.recapture()  # HF's switch is a Python attribute read in forward
@@ -131,3 +132,26 @@ def test_checkpoint_pattern_leaves_the_modules_forward_as_it_was(bf16):
     graphamp.rewrite(model, (x,), amp_lists=bf16, checkpoint="blocks.*")
     assert "forward" not in vars(model.blocks[0])
     assert vars(model.blocks[1])["forward"] is instance_forward
+
+
+def test_checkpoint_pattern_on_the_regions_checkpoints_them(bf16):
+    torch.manual_seed(0)
+    model, x = CheckpointedStack(use_reentrant=None), torch.randn(16, 32)
+    plain = graphamp.rewrite(model, (x,), amp_lists=bf16, regions="blocks.*")
+    plain_saved, plain_grads = saved_bytes_and_gradients(model, lambda: plain(x))
+    marked = graphamp.rewrite(model, (x,), amp_lists=bf16, regions="blocks.*", checkpoint="blocks.*")
+    marked_saved, marked_grads = saved_bytes_and_gradients(model, lambda: marked(x))
+    assert marked_saved < plain_saved / 2
+    assert all(relative_error(a, b) < 1e-6 for a, b in zip(marked_grads, plain_grads))
+
+
+def test_composable_checkpoint_on_a_block_saves_what_autocast_saves(bf16):
+    from torch.distributed._composable import checkpoint
+
+    model, x = stack_and_batch(use_reentrant=None)
+    for block in model.blocks:
+        checkpoint(block)
+    amp = graphamp.rewrite(model, (x,), amp_lists=bf16)
+    amp_saved, autocast_saved, error = compare_with_autocast(model, lambda: amp(x), lambda: model(x))
+    assert amp_saved <= 1.15 * autocast_saved
+    assert error < 2e-2

@@ -1,8 +1,8 @@
 """FSDP2 per-block sharding with regional rewrite, DCP checkpoints and DDP + compile: 2 gloo processes on CPU.
 
 As in test_distributed.py, one 2-process job runs every scenario on both ranks and each test reads the results of
-one. Order of FSDP2's docs: fully_shard(block) for each block, fully_shard(model), then graphamp.rewrite(model, ...,
-regions="blocks.*") and decorate(AdamW(model.parameters())).
+one. Order of FSDP2's docs: fully_shard(block) for each block, fully_shard(model), then graphamp.rewrite(model, ...) with
+no extra argument (the sharded blocks become regions on their own) and decorate(AdamW(model.parameters())).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def sharded_model(seed: int = 0, lists=FP16, **rewrite_options):
         fully_shard(block)
     fully_shard(model)
     tokens, labels = rank_batches(0)[0]
-    return model, graphamp.rewrite(model, (tokens, labels), amp_lists=lists, regions="blocks.*", **rewrite_options)
+    return model, graphamp.rewrite(model, (tokens, labels), amp_lists=lists, **rewrite_options)
 
 
 def ddp_model(lists=FP16, compile=False):
@@ -153,17 +153,9 @@ def scenario_ddp_compile(rank):
     return results
 
 
-def scenario_fsdp_without_regions(rank):
-    torch.manual_seed(0)
-    model = BlockStack(n_blocks=2)
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
-    try:
-        graphamp.rewrite(model, rank_batches(rank)[0], amp_lists=FP16)
-    except graphamp.CaptureError as error:
-        return str(error)
-    return "no error"
+def scenario_fsdp_with_named_regions(rank):
+    model, amp_model = sharded_model(regions="blocks.*")
+    return {"losses": train(amp_model, decorated(amp_model.parameters()), rank_batches(rank))}
 
 
 SCENARIOS = [
@@ -172,7 +164,7 @@ SCENARIOS = [
     scenario_fsdp_inf_on_rank_1,
     scenario_dcp_resume,
     scenario_ddp_compile,
-    scenario_fsdp_without_regions,
+    scenario_fsdp_with_named_regions,
 ]
 
 
@@ -230,6 +222,6 @@ def test_ddp_with_compile_trains_as_ddp_eager(ranks):
         assert error <= 1e-3
 
 
-def test_fsdp2_without_regions_raises_with_the_fix(ranks):
-    for message in results_of(ranks, scenario_fsdp_without_regions, may_fail=True):
-        assert "sharded with FSDP2" in message and "regions='blocks.*'" in message
+def test_naming_the_sharded_blocks_as_regions_trains_the_same(ranks):
+    for named, automatic in zip(results_of(ranks, scenario_fsdp_with_named_regions), results_of(ranks, scenario_fsdp_training)):
+        assert named["losses"] == automatic["losses"]

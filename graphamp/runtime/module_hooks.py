@@ -14,12 +14,13 @@ from __future__ import annotations
 import sysconfig
 from pathlib import Path
 
+import torch
 from torch import nn
 from torch.nn.modules import module as _module_globals
 
 from graphamp.errors import HookError
 
-__all__ = ["check_global_hooks", "has_hooks_of_the_user", "hooked_module_paths"]
+__all__ = ["check_global_hooks", "runs_hooks_a_graph_cannot", "hooked_module_paths"]
 
 _FORWARD_TABLES = ("_forward_pre_hooks", "_forward_hooks")
 _BACKWARD_TABLES = ("_backward_pre_hooks", "_backward_hooks")
@@ -27,15 +28,17 @@ _BACKWARD_TABLES = ("_backward_pre_hooks", "_backward_hooks")
 
 def hooked_module_paths(model: nn.Module) -> list[str]:
     """The paths of the submodules (not the root) with a forward hook of the user's or any backward hook."""
-    return [path for path, module in model.named_modules() if path and has_hooks_of_the_user(module)]
+    return [path for path, module in model.named_modules() if path and runs_hooks_a_graph_cannot(module)]
 
 
-def has_hooks_of_the_user(module: nn.Module) -> bool:
-    """Whether eager PyTorch would run a hook on this module's call that a graph cannot repeat."""
+def runs_hooks_a_graph_cannot(module: nn.Module) -> bool:
+    """Whether eager PyTorch would run a hook on this module's call that a graph cannot repeat: any backward
+    hook, a forward hook of the user's, or one of torch.distributed's composable APIs (checkpoint, fully_shard)."""
     if any(getattr(module, table) for table in _BACKWARD_TABLES):
         return True
     return any(
-        not _from_installed_library(hook) for table in _FORWARD_TABLES for hook in getattr(module, table).values()
+        not _from_installed_library(hook) or _from_torch_distributed(hook)
+        for table in _FORWARD_TABLES for hook in getattr(module, table).values()
     )
 
 
@@ -62,11 +65,25 @@ def check_global_hooks() -> None:
 _LIBRARY_DIRS = tuple({str(Path(sysconfig.get_paths()[key]).resolve()) for key in ("purelib", "platlib")})
 
 
+_TORCH_DISTRIBUTED_DIR = str(Path(torch.distributed.__file__).resolve().parent)
+
+
 def _from_installed_library(hook) -> bool:
-    code = getattr(hook, "__code__", None) or getattr(getattr(hook, "__func__", None), "__code__", None)
-    if code is None:  # a callable object: torch's WeightNorm, say
-        code = getattr(getattr(type(hook), "__call__", None), "__code__", None)
+    code = _code_of(hook)
     return code is not None and str(Path(code.co_filename).resolve()).startswith(_LIBRARY_DIRS)
+
+
+def _code_of(hook):
+    code = getattr(hook, "__code__", None) or getattr(getattr(hook, "__func__", None), "__code__", None)
+    if code is None:  # a callable object (torch's WeightNorm) or a partial (torch.distributed's hooks)
+        inner = getattr(hook, "func", None)
+        code = _code_of(inner) if inner is not None else getattr(getattr(type(hook), "__call__", None), "__code__", None)
+    return code
+
+
+def _from_torch_distributed(hook) -> bool:
+    code = _code_of(hook)
+    return code is not None and str(Path(code.co_filename).resolve()).startswith(_TORCH_DISTRIBUTED_DIR)
 
 
 def _name(hook) -> str:

@@ -24,11 +24,12 @@ from torch import nn
 from torch.export.graph_signature import TensorArgument
 
 from graphamp.capture import Captured, LiftedInput
+from graphamp.runtime.checkpointing import checkpointed
 from graphamp.runtime.compiled import CompiledGraph
 from graphamp.errors import CaptureError, HookError
 from graphamp.lists import Decision
 from graphamp.runtime.in_graph_scaling import scale_gradients, scaling_factors, unscale_gradients
-from graphamp.runtime.module_hooks import has_hooks_of_the_user, hooked_module_paths
+from graphamp.runtime.module_hooks import runs_hooks_a_graph_cannot, hooked_module_paths
 
 __all__ = ["Regions", "called_module_paths", "region_paths", "root_is_called_as_module"]
 
@@ -108,7 +109,7 @@ def called_module_paths(model: nn.Module, regions=None) -> list[str]:
 
 def root_is_called_as_module(model: nn.Module) -> bool:
     """Whether the model's own call must run its hooks around the graph (hooks of the user's, FSDP2's root)."""
-    return has_hooks_of_the_user(model) or model in _fsdp_modules(model)
+    return runs_hooks_a_graph_cannot(model) or model in _fsdp_modules(model)
 
 
 def sharded_module_paths(model: nn.Module) -> list[str]:
@@ -363,7 +364,8 @@ class Regions:
         piece_gm = torch.fx.GraphModule(glue, piece_graph)
         key = _structure(piece_graph)
         if key not in self.shared:
-            run = CompiledGraph(piece_gm, progress, timings) if compile else piece_gm
+            runnable = checkpointed(piece_gm)  # checkpoint= may name the block, or modules inside it
+            run = CompiledGraph(runnable, progress, timings) if compile else runnable
             self.shared[key] = (piece_gm, run)
         piece_gm, run = self.shared[key]
         flat_positions = [i for i, a in enumerate(leaf_inputs) if isinstance(a, torch.fx.Node)]

@@ -1,0 +1,134 @@
+"""With default settings an AmpModule gives eager's results wherever the user writes to the model between calls:
+EMA weights copied in and out through `.data`, in-place `.data` edits (clamping, pruning), `param.data = t`,
+submodules swapped for new ones (even where Python reuses the old one's id()), threads calling while another
+captures, torch.compile around the AmpModule, and peft's merge after training."""
+
+import copy
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import graphamp
+from models import TwoLayer
+from training import relative_error
+
+
+def model_and_batch(seed=0):
+    torch.manual_seed(seed)
+    return TwoLayer(), torch.randn(8, 16)
+
+
+def autocast_output(model, x):
+    with torch.autocast("cpu", torch.bfloat16):
+        return model(x).float()
+
+
+def train_step(amp, optimizer, x):
+    amp(x).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_ema_store_copy_to_restore_cycles_give_eagers_outputs(bf16):
+    model, x = model_and_batch()
+    amp = graphamp.rewrite(model, (x,), amp_lists=bf16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    ema = [p.detach().clone() for p in model.parameters()]
+    for _ in range(3):
+        train_step(amp, optimizer, x)
+        with torch.no_grad():
+            for e, p in zip(ema, model.parameters()):
+                e.mul_(0.5).add_(p.detach(), alpha=0.5)
+        stored = [p.data.clone() for p in model.parameters()]  # store
+        for e, p in zip(ema, model.parameters()):  # copy_to: evaluate with the EMA weights
+            p.data.copy_(e)
+        assert relative_error(amp(x), autocast_output(model, x)) < 3e-2
+        for s, p in zip(stored, model.parameters()):  # restore, keep training
+            p.data.copy_(s)
+        assert relative_error(amp(x), autocast_output(model, x)) < 3e-2
+
+
+@pytest.mark.parametrize("edit", ["clamp", "mul", "assign"])
+def test_writes_through_data_between_forwards_give_eagers_outputs(bf16, edit):
+    model, x = model_and_batch()
+    amp = graphamp.rewrite(model, (x,), amp_lists=bf16)
+    for _ in range(2):
+        amp(x)
+        for p in model.parameters():
+            if edit == "clamp":
+                p.data.clamp_(-0.05, 0.05)
+            elif edit == "mul":
+                p.data.mul_(-1.5)
+            else:
+                p.data = p.data * 2
+        assert relative_error(amp(x), autocast_output(model, x)) < 3e-2
+
+
+def test_a_swapped_in_submodule_is_used_even_at_the_old_ones_address(bf16):
+    model, x = model_and_batch()
+    amp = graphamp.rewrite(model, (x,), amp_lists=bf16)
+    for seed in range(5):
+        del model.fc2  # the old module dies: CPython often builds the new one at its address
+        torch.manual_seed(seed + 1)
+        model.fc2 = nn.Linear(32, 4)
+        with torch.no_grad():
+            model.fc2.weight.mul_(seed + 2)
+        assert relative_error(amp(x), autocast_output(model, x)) < 3e-2
+
+
+def test_threads_calling_while_another_captures_never_see_fake_parameters(bf16):
+    model, x = model_and_batch()
+    amp = graphamp.rewrite(model, (x,), amp_lists=bf16, dynamic=False)
+    parameters = list(model.parameters())
+    errors = []
+
+    def call(batch_size):
+        try:
+            batch = torch.randn(batch_size, 16)
+            assert relative_error(amp(batch), autocast_output(model, batch)) < 3e-2
+        except Exception as error:  # noqa: BLE001 - reported below, with the thread's batch size
+            errors.append((batch_size, error))
+
+    threads = [threading.Thread(target=call, args=(n,)) for n in (3, 5, 7, 9, 8, 6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert all(a is b for a, b in zip(model.parameters(), parameters))
+    assert not any(type(p.data).__name__ == "FakeTensor" for p in model.parameters())
+
+
+def test_torch_compile_around_an_amp_module_trains_and_takes_new_shapes(bf16):
+    model, x = model_and_batch()
+    reference = copy.deepcopy(model)
+    amp = graphamp.rewrite(model, (x,), amp_lists=bf16)
+    compiled = torch.compile(amp)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for batch in (x, x, x[:5]):
+        compiled(batch).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.autocast("cpu", torch.bfloat16):
+            reference(batch).float().square().mean().backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert relative_error(p, q) < 3e-2
+
+
+def test_peft_merge_and_unload_after_training_gives_the_merged_models_outputs(bf16):
+    peft = pytest.importorskip("peft")
+    model, x = model_and_batch()
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["fc1", "fc2"], init_lora_weights=False))
+    amp = graphamp.rewrite(lora, (x,), amp_lists=bf16)
+    optimizer = torch.optim.SGD([p for p in lora.parameters() if p.requires_grad], lr=0.5)
+    for _ in range(2):
+        train_step(amp, optimizer, x)
+    before = amp(x)
+    merged = lora.merge_and_unload()
+    assert relative_error(amp(x), autocast_output(merged, x)) < 3e-2
+    assert relative_error(before, autocast_output(merged, x)) < 3e-2
