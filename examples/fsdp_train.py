@@ -3,9 +3,9 @@
     torchrun --nproc_per_node=2 examples/fsdp_train.py [--steps 30] [--layers 4] [--dtype bfloat16|float16]
         [--checkpoint-dir DIR] [--resume DIR]
 
-FSDP2's documented order: fully_shard(block) for each block, fully_shard(model), then graphamp.rewrite with
-regions= naming the blocks, and decorate(AdamW(model.parameters())). Each block runs its own rewritten graph inside
-its module call, where FSDP2 all-gathers its parameters; between steps every rank holds 1/world of them.
+FSDP2's documented order: fully_shard(block) for each block, fully_shard(model), then graphamp.rewrite (it
+calls the sharded blocks as modules on its own) and decorate(AdamW(model.parameters())). Each block runs its
+own rewritten graph inside its module call, where FSDP2 all-gathers its parameters; between steps every rank holds 1/world of them.
 Checkpoints go through torch.distributed.checkpoint (DCP): each rank writes its shards. The data is a synthetic
 next-token task (sequences counting upwards modulo the vocabulary), so the loss falls within a few dozen steps.
 """
@@ -69,7 +69,7 @@ def main():
 
     amp_lists = graphamp.AutoMixedPrecisionLists(dtype=dtype)
     tokens = batch(0, args.batch_size, device)
-    amp_model = graphamp.rewrite(model, (tokens,), {"labels": tokens}, amp_lists=amp_lists, regions="transformer.h.*")
+    amp_model = graphamp.rewrite(model, (tokens,), {"labels": tokens}, amp_lists=amp_lists)
     optimizer = graphamp.decorate(torch.optim.AdamW(amp_model.parameters(), lr=args.lr), amp_lists)
 
     step = 0

@@ -203,3 +203,19 @@ def test_hf_output_capturing_hooks_stay_in_the_graph(bf16):
     hidden = amp(input_ids=ids, output_hidden_states=True).hidden_states
     assert len(hidden) == model.config.n_layer + 1
     assert amp._regions is None  # library hooks feed forward's outputs: no module is called on its own
+
+
+def test_a_hooked_model_trains_with_loss_scaling_in_the_graph_as_an_unhooked_one(bf16):
+    fp16 = graphamp.AutoMixedPrecisionLists(dtype="float16")
+    grads = []
+    for hooked in (False, True):
+        model, x = model_and_batch()
+        if hooked:
+            model.fc1.register_forward_hook(lambda module, args, output: None)
+        amp = graphamp.rewrite(model, (x,), amp_lists=fp16)
+        optimizer = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, init_loss_scaling=1024.0)
+        amp(x).float().square().mean().backward()  # plain backward: the graph scales and unscales
+        grads.append([p.grad.clone() for p in model.parameters()])
+        optimizer.step()
+        assert (amp._regions is not None) == hooked
+    assert all(relative_error(a, b) < 1e-3 for a, b in zip(*grads))
