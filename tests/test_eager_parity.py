@@ -66,32 +66,41 @@ def test_writes_through_data_between_forwards_give_eagers_outputs(bf16, edit):
         assert relative_error(amp(x), autocast_output(model, x)) < 3e-2
 
 
+class WithActivation(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.act, self.fc2 = nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
 def test_a_swapped_in_submodule_is_used_even_at_the_old_ones_address(bf16):
-    model, x = model_and_batch()
+    torch.manual_seed(0)
+    model, x = WithActivation(), torch.randn(8, 16)
     amp = graphamp.rewrite(model, (x,), amp_lists=bf16)
-    for seed in range(5):
-        del model.fc2  # the old module dies: CPython often builds the new one at its address
-        torch.manual_seed(seed + 1)
-        model.fc2 = nn.Linear(32, 4)
-        with torch.no_grad():
-            model.fc2.weight.mul_(seed + 2)
+    for activation in (nn.Tanh, nn.ReLU, nn.Sigmoid, nn.ReLU, nn.Tanh, nn.GELU):
+        del model.act  # a module with no tensors dies here: CPython often builds the next one at its address
+        model.act = activation()
         assert relative_error(amp(x), autocast_output(model, x)) < 3e-2
 
 
 def test_threads_calling_while_another_captures_never_see_fake_parameters(bf16):
     model, x = model_and_batch()
-    amp = graphamp.rewrite(model, (x,), amp_lists=bf16, dynamic=False)
+    amp = graphamp.rewrite(model, (x,), amp_lists=bf16, dynamic=False)  # each new batch size is a capture
     parameters = list(model.parameters())
-    errors = []
+    batches = {n: torch.randn(n, 16, generator=torch.Generator().manual_seed(n)) for n in (3, 5, 7, 9, 8, 6)}
+    outputs, errors = {}, []
 
     def call(batch_size):
         try:
-            batch = torch.randn(batch_size, 16)
-            assert relative_error(amp(batch), autocast_output(model, batch)) < 3e-2
+            outputs[batch_size] = amp(batches[batch_size])
         except Exception as error:  # noqa: BLE001 - reported below, with the thread's batch size
             errors.append((batch_size, error))
 
-    threads = [threading.Thread(target=call, args=(n,)) for n in (3, 5, 7, 9, 8, 6)]
+    # The threads only call the AmpModule: torch.export's fake mode is process-wide while it captures, so eager
+    # work in other threads at that moment is outside what any lock of graphamp's can guard.
+    threads = [threading.Thread(target=call, args=(n,)) for n in batches]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -99,6 +108,8 @@ def test_threads_calling_while_another_captures_never_see_fake_parameters(bf16):
     assert not errors
     assert all(a is b for a, b in zip(model.parameters(), parameters))
     assert not any(type(p.data).__name__ == "FakeTensor" for p in model.parameters())
+    for n, batch in batches.items():
+        assert relative_error(outputs[n], autocast_output(model, batch)) < 3e-2
 
 
 def test_torch_compile_around_an_amp_module_trains_and_takes_new_shapes(bf16):
