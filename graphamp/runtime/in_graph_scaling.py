@@ -20,10 +20,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from graphamp.errors import LossScalingError
 
-__all__ = ["amp_modules_of", "link", "register_parameters", "run_scaled", "scale_gradients", "unscale_gradients"]
+__all__ = ["amp_modules_of", "link", "register_parameters", "relink", "run_scaled", "scale_gradients", "unscale_gradients"]
 
 # parameter -> weakref to the AmpModule it belongs to (weak both ways: an AmpModule holds its parameters).
 _amp_module_of_parameter = WeakIdKeyDictionary()
+# parameter -> weakref to a copied decorated optimizer rebuilt before the copy of the parameter's AmpModule.
+_optimizer_waiting_for_parameter = WeakIdKeyDictionary()
 
 
 class _ScaleGradients(torch.autograd.Function):
@@ -77,8 +79,24 @@ class _UnscaleGradients(_ScaleGradients):
 def register_parameters(amp_module: torch.nn.Module) -> None:
     """Remember which AmpModule owns each of its parameters, so that decorate() finds it."""
     ref = weakref.ref(amp_module)
+    waiting = []
     for parameter in amp_module.parameters():
         _amp_module_of_parameter[parameter] = ref
+        waiting.append(_optimizer_waiting_for_parameter.pop(parameter, None))
+    for optimizer in {id(o): o for o in (ref() for ref in waiting if ref is not None) if o is not None}.values():
+        amp_module._link_optimizer(optimizer)
+
+
+def relink(optimizer) -> None:
+    """Link a copy of a decorated optimizer (deepcopy, pickle) to the copies of its AmpModules, whichever of the
+    two is rebuilt first; a copy of the optimizer alone has parameters of its own, and links to nothing."""
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    if amp_modules_of(parameters):
+        link([optimizer], None)
+        return
+    ref = weakref.ref(optimizer)
+    for parameter in parameters:
+        _optimizer_waiting_for_parameter[parameter] = ref
 
 
 def amp_modules_of(parameters) -> list[torch.nn.Module]:
