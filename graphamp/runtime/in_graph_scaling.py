@@ -20,12 +20,38 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from graphamp.errors import LossScalingError
 
-__all__ = ["amp_modules_of", "link", "register_parameters", "relink", "run_scaled", "scale_gradients", "unscale_gradients"]
+__all__ = [
+    "amp_modules_of", "link", "register_parameters", "relink", "run_scaled", "scale_gradients", "times",
+    "unscale_gradients",
+]
 
 # parameter -> weakref to the AmpModule it belongs to (weak both ways: an AmpModule holds its parameters).
 _amp_module_of_parameter = WeakIdKeyDictionary()
 # parameter -> weakref to a copied decorated optimizer rebuilt before the copy of the parameter's AmpModule.
 _optimizer_waiting_for_parameter = WeakIdKeyDictionary()
+
+
+def times(factor: torch.Tensor, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`grads` times a loss-scaling factor, one foreach kernel; under create_graph=True differentiable as the identity.
+
+    Why the identity: a gradient penalty differentiates the graph's backward again. Its second-order gradient enters
+    that backward where the first-order one leaves (into the master weights, an input) and reaches the graph's inputs
+    through the tensors the forward saved, so it passes the 1/scale at the inputs once more. Left out of the factors
+    here, it runs through the graph scaled as the first-order gradients do, and comes out true.
+    """
+    if torch.is_grad_enabled():
+        return list(_Times.apply(factor, *grads))
+    return torch._foreach_mul(grads, factor)
+
+
+class _Times(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, factor: torch.Tensor, *grads: torch.Tensor):
+        return tuple(torch._foreach_mul(list(grads), factor))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, *grads)
 
 
 class _ScaleGradients(torch.autograd.Function):
@@ -42,7 +68,7 @@ class _ScaleGradients(torch.autograd.Function):
     def backward(ctx, *grads):
         (factor,) = ctx.saved_tensors
         present = [i for i, g in enumerate(grads) if g is not None]
-        scaled = torch._foreach_mul([grads[i] for i in present], factor) if present else []
+        scaled = times(factor, [grads[i] for i in present]) if present else []
         result = [None] * len(grads)
         for i, g in zip(present, scaled):
             result[i] = g
