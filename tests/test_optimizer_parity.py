@@ -163,7 +163,7 @@ def lbfgs_steps(model, opt, steps: int = 3, poison: float | None = None) -> list
         loss.backward()
         return loss
 
-    return [float(opt.step(closure)) for _ in range(steps)]
+    return [opt.step(closure).item() for _ in range(steps)]
 
 
 def test_lbfgs_step_with_closure_matches_eager_fp32(fp16):
@@ -258,3 +258,17 @@ def test_backward_after_a_step_gives_the_gradients_of_the_forward_as_it_ran(fp16
             parameter.add_(1.0)  # what a step in between does
     loss.backward()
     assert all(torch.equal(a, b) for a, b in zip(grads(amp_model), expected))
+
+
+@WEIGHT_CACHE
+def test_backward_after_a_step_raises_as_in_eager_for_weights_run_in_fp32(fp16, weight_cache):
+    """A normalization weight stays FP32, so the forward saved the master weight itself (as torch.autocast does)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))
+    amp_model = graphamp.rewrite(model, (batch(0)[0],), amp_lists=fp16, progress=False, weight_cache=weight_cache)
+    graphamp.decorate(torch.optim.SGD(amp_model.parameters(), lr=0.1), fp16)
+    loss = amp_model(batch(1)[0]).pow(2).mean()
+    with torch.no_grad():
+        model[1].weight.add_(1.0)  # what a step in between does
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
