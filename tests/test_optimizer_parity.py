@@ -4,38 +4,18 @@ without gradients, closure optimizers, higher-order gradients and backward long 
 from __future__ import annotations
 
 import copy
-import io
-import pickle
 import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import graphamp
+from tests.test_copies import COPIES
+from tests.test_in_graph_scaling import Regression, batch, grads
 from tests.training import relative_error
 
 WEIGHT_CACHE = pytest.mark.parametrize("weight_cache", [True, False], ids=["weight_cache", "no_weight_cache"])
-
-
-class Regression(nn.Module):
-    """A two-layer MLP whose forward returns its MSE loss."""
-
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
-
-    def forward(self, x, y):
-        return F.mse_loss(self.net(x), y)
-
-
-def batch(step: int, poison: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(step)
-    x, y = torch.randn(6, 8, generator=generator), torch.randn(6, 4, generator=generator)
-    if poison is not None:
-        x[0, 0] = poison
-    return x, y
 
 
 def rewritten(amp_lists, weight_cache: bool = True):
@@ -45,26 +25,8 @@ def rewritten(amp_lists, weight_cache: bool = True):
         return graphamp.rewrite(Regression(), batch(0), amp_lists=amp_lists, progress=False, weight_cache=weight_cache)
 
 
-def grads(model: nn.Module) -> list[torch.Tensor]:
-    return [p.grad.clone() for p in model.parameters()]
-
-
 def weights(model: nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
-
-
-def through_torch_save(obj):
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=False)
-
-
-COPIES = {
-    "deepcopy": copy.deepcopy,
-    "pickle": lambda obj: pickle.loads(pickle.dumps(obj)),
-    "torch_save": through_torch_save,
-}
 
 
 # -- copies of a decorated model ----------------------------------------------------------------------------------
