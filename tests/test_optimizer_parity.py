@@ -177,6 +177,27 @@ def test_gradient_penalty_matches_the_unscaled_path(fp16, weight_cache, wrt):
         assert relative_error(a, b) < 1e-2
 
 
+def penalized_gradients_of_outputs(weight_cache: bool, fp16, **scaling) -> list[torch.Tensor]:
+    """The loss computed outside the graph from its outputs, so the first-order gradient entering it requires grad."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    amp_model = graphamp.rewrite(net, (batch(0)[0],), amp_lists=fp16, progress=False, weight_cache=weight_cache)
+    graphamp.decorate(torch.optim.SGD(amp_model.parameters(), lr=0.1), fp16, **scaling)
+    x = batch(1)[0].requires_grad_()
+    loss = amp_model(x).pow(3).mean()
+    penalty = sum(g.pow(2).sum() for g in torch.autograd.grad(loss, [x, *amp_model.parameters()], create_graph=True))
+    (loss + penalty).backward()
+    return [*grads(amp_model), x.grad]
+
+
+@WEIGHT_CACHE
+def test_gradient_penalty_of_a_loss_outside_the_graph_matches_the_unscaled_path(fp16, weight_cache):
+    scaled = penalized_gradients_of_outputs(weight_cache, fp16, init_loss_scaling=1024.0)
+    unscaled = penalized_gradients_of_outputs(weight_cache, fp16, use_dynamic_loss_scaling=False, init_loss_scaling=1.0)
+    for a, b in zip(scaled, unscaled):
+        assert relative_error(a, b) < 1e-2
+
+
 # -- backward long after its forward ------------------------------------------------------------------------------
 
 
