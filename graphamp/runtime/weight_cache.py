@@ -89,12 +89,11 @@ class _CastGradientsUp(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, factor: torch.Tensor, static: bool, *weights_then_copies: torch.Tensor):
+    def forward(ctx, factor: torch.Tensor, static: bool, copies: list[torch.Tensor], *weights: torch.Tensor):
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(factor)
-        count = len(weights_then_copies) // 2
-        ctx.dtypes = [weight.dtype for weight in weights_then_copies[:count]]
-        copies = tuple(low.detach() for low in weights_then_copies[count:])  # not views: graphs may save them
+        ctx.dtypes = [weight.dtype for weight in weights]
+        copies = tuple([low.detach() for low in copies])  # not views: graphs may save them
         if static:
             for low in copies:
                 torch._dynamo.mark_static_address(low)
@@ -108,7 +107,7 @@ class _CastGradientsUp(torch.autograd.Function):
         result = [None] * len(grads)
         for i, grad in zip(present, up):
             result[i] = grad
-        return (None, None, *result, *[None] * len(grads))
+        return (None, None, None, *result)
 
 
 @dataclass
@@ -160,10 +159,11 @@ class WeightCache:
             gradient_factor: under loss scaling in the graph, 1/scale of this forward: the copies' gradients
                 are multiplied by it in float32, on their way back to the master weights.
         """
-        casts, stale, trained = [], {}, []
+        casts, stale, trained, trained_weights = [], {}, [], []
         for weight, dtype in weights:
             if gradient_factor is not None and weight.requires_grad:
                 trained.append(len(casts))
+                trained_weights.append(weight)
             if type(weight) is not nn.Parameter:
                 casts.append(weight.to(dtype))
                 continue
@@ -180,9 +180,11 @@ class WeightCache:
             casts.append(kept.low)
         if stale:
             _recast([kept for kept, _ in stale.values()], [weight for _, weight in stale.values()])
-        if trained:  # this forward's own node between the copies and the master weights
+        if trained and len(trained) == len(casts):  # this forward's own node between the copies and the master weights
+            return list(_CastGradientsUp.apply(gradient_factor, self.static_addresses, casts, *trained_weights))
+        if trained:
             through = _CastGradientsUp.apply(
-                gradient_factor, self.static_addresses, *(weights[i][0] for i in trained), *(casts[i] for i in trained)
+                gradient_factor, self.static_addresses, [casts[i] for i in trained], *trained_weights
             )
             for i, cast in zip(trained, through):
                 casts[i] = cast
