@@ -342,12 +342,9 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
             # inside their kernel; `grad_scale` is None when the gradients are already unscaled.
             if self._stage is _Stage.READY:
                 self._check_scaled("step")
-            if self._stage is _Stage.READY and not self._iteration.loss_scaled:
-                self._found_inf = self._check_true_gradients(grads)
-                optimizer.grad_scale = None
-            elif self._stage is _Stage.READY:
-                self._found_inf = self.loss_scaler.check_finite(grads)
-                optimizer.grad_scale = self.loss_scaler.loss_scaling
+                scaled = self._iteration.loss_scaled
+                self._found_inf = self.loss_scaler.check_finite(grads) if scaled else self._check_true_gradients(grads)
+                optimizer.grad_scale = self.loss_scaler.loss_scaling if scaled else None
             else:
                 optimizer.grad_scale = None
             optimizer.found_inf = self._found_inf

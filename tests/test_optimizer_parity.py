@@ -75,6 +75,13 @@ def test_deepcopy_trained_with_its_own_optimizer_uses_its_own_loss_scaling(fp16)
     assert all(torch.allclose(a, b, rtol=1e-2, atol=1e-4) for a, b in zip(twin.parameters(), amp_model.parameters()))
 
 
+def test_shallow_copy_of_the_optimizer_leaves_the_models_link_alone(fp16):
+    amp_model = rewritten(fp16)
+    opt = graphamp.decorate(torch.optim.SGD(amp_model.parameters(), lr=0.1), fp16)
+    copy.copy(opt)
+    assert amp_model._linked_optimizer() is opt
+
+
 # -- steps without gradients --------------------------------------------------------------------------------------
 
 

@@ -45,6 +45,8 @@ def times(factor: torch.Tensor, grads: list[torch.Tensor]) -> list[torch.Tensor]
 
 
 class _Times(torch.autograd.Function):
+    """`grads` times `factor`; the gradient passes back unchanged (see `times`)."""
+
     @staticmethod
     def forward(ctx, factor: torch.Tensor, *grads: torch.Tensor):
         return tuple(torch._foreach_mul(list(grads), factor))
@@ -117,12 +119,15 @@ def relink(optimizer) -> None:
     """Link a copy of a decorated optimizer (deepcopy, pickle) to the copies of its AmpModules, whichever of the
     two is rebuilt first; a copy of the optimizer alone has parameters of its own, and links to nothing."""
     parameters = [p for group in optimizer.param_groups for p in group["params"]]
-    if amp_modules_of(parameters):
-        link([optimizer], None)
-        return
-    ref = weakref.ref(optimizer)
-    for parameter in parameters:
-        _optimizer_waiting_for_parameter[parameter] = ref
+    amp_modules = amp_modules_of(parameters)
+    for amp_module in amp_modules:
+        linked = amp_module._linked_optimizer
+        if linked is None or linked() is None:  # a copied AmpModule's; a live link (copy.copy's original) stays
+            amp_module._link_optimizer(optimizer)
+    if not amp_modules:
+        ref = weakref.ref(optimizer)
+        for parameter in parameters:
+            _optimizer_waiting_for_parameter[parameter] = ref
 
 
 def amp_modules_of(parameters) -> list[torch.nn.Module]:
