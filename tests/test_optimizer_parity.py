@@ -234,18 +234,17 @@ def test_backward_after_a_step_gives_the_gradients_of_the_forward_as_it_ran(fp16
     """As torch.autocast: the forward saved its low-precision weights, so backward differentiates the forward that
     ran (the weights before the step). Eager FP32 raises instead: it saved the master weights the step wrote."""
     amp_model = rewritten(fp16, weight_cache)
-    opt = graphamp.decorate(torch.optim.SGD(amp_model.parameters(), lr=0.1), fp16)
-    amp_model(*batch(1)).backward()
-    opt.step()
-    opt.zero_grad()
+    opt = graphamp.decorate(torch.optim.SGD(amp_model.parameters(), lr=0.1), fp16, init_loss_scaling=2.0**10)
     amp_model(*batch(1)).backward()
     expected = grads(amp_model)
     opt.zero_grad()
 
     loss = amp_model(*batch(1))
-    with torch.no_grad():
-        for parameter in amp_model.parameters():
-            parameter.add_(1.0)  # what a step in between does
+    amp_model(*batch(2)).backward()
+    before = weights(amp_model)
+    opt.step()
+    opt.zero_grad()
+    assert not any(torch.equal(a, b) for a, b in zip(amp_model.parameters(), before))
     loss.backward()
     assert all(torch.equal(a, b) for a, b in zip(grads(amp_model), expected))
 
