@@ -208,13 +208,19 @@ def test_gradient_penalty_of_a_loss_outside_the_graph_matches_the_unscaled_path(
 # -- backward long after its forward ------------------------------------------------------------------------------
 
 
-@WEIGHT_CACHE
-def test_backward_after_a_skipped_step_and_another_forward_uses_its_own_forwards_scale(fp16, weight_cache):
+def linked_with_the_gradients_of_batch_1(fp16, weight_cache: bool):
+    """A linked AmpModule, its decorated SGD, and the gradients of batch 1 from a backward right after its forward."""
     amp_model = rewritten(fp16, weight_cache)
     opt = graphamp.decorate(torch.optim.SGD(amp_model.parameters(), lr=0.1), fp16, init_loss_scaling=2.0**10)
     amp_model(*batch(1)).backward()
     expected = grads(amp_model)
     opt.zero_grad()
+    return amp_model, opt, expected
+
+
+@WEIGHT_CACHE
+def test_backward_after_a_skipped_step_and_another_forward_uses_its_own_forwards_scale(fp16, weight_cache):
+    amp_model, opt, expected = linked_with_the_gradients_of_batch_1(fp16, weight_cache)
 
     first = amp_model(*batch(1))
     amp_model(*batch(2, poison=float("inf"))).backward()
@@ -233,11 +239,7 @@ def test_backward_after_a_skipped_step_and_another_forward_uses_its_own_forwards
 def test_backward_after_a_step_gives_the_gradients_of_the_forward_as_it_ran(fp16, weight_cache):
     """As torch.autocast: the forward saved its low-precision weights, so backward differentiates the forward that
     ran (the weights before the step). Eager FP32 raises instead: it saved the master weights the step wrote."""
-    amp_model = rewritten(fp16, weight_cache)
-    opt = graphamp.decorate(torch.optim.SGD(amp_model.parameters(), lr=0.1), fp16, init_loss_scaling=2.0**10)
-    amp_model(*batch(1)).backward()
-    expected = grads(amp_model)
-    opt.zero_grad()
+    amp_model, opt, expected = linked_with_the_gradients_of_batch_1(fp16, weight_cache)
 
     loss = amp_model(*batch(1))
     amp_model(*batch(2)).backward()
