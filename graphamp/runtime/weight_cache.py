@@ -92,7 +92,6 @@ class _CastGradientsUp(torch.autograd.Function):
     def forward(ctx, factor: torch.Tensor, static: bool, copies: list[torch.Tensor], *weights: torch.Tensor):
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(factor)
-        ctx.dtypes = [weight.dtype for weight in weights]
         copies = tuple([low.detach() for low in copies])  # not views: graphs may save them
         if static:
             for low in copies:
@@ -103,7 +102,8 @@ class _CastGradientsUp(torch.autograd.Function):
     def backward(ctx, *grads):
         (factor,) = ctx.saved_tensors
         present = [i for i, g in enumerate(grads) if g is not None]
-        up = times(factor, [grads[i].to(ctx.dtypes[i]) for i in present]) if present else []
+        # float32 whatever the master weight's dtype (FP32, or float64): autograd casts to it on the way in.
+        up = times(factor, [grads[i].float() for i in present]) if present else []
         result = [None] * len(grads)
         for i, grad in zip(present, up):
             result[i] = grad
