@@ -92,7 +92,7 @@ class _CastGradientsUp(torch.autograd.Function):
     def forward(ctx, factor: torch.Tensor, static: bool, copies: list[torch.Tensor], *weights: torch.Tensor):
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(factor)
-        copies = tuple([low.detach() for low in copies])  # new tensors on their storage: the kept ones keep their history
+        copies = tuple([low.detach() for low in copies])  # new tensors on their storage: the kept keep their history
         if static:
             for low in copies:
                 torch._dynamo.mark_static_address(low)
