@@ -317,10 +317,18 @@ class AmpModule(nn.Module):
         return result
 
     def __getstate__(self) -> dict:
-        """Copies (deepcopy, pickle, torch.save) drop the captured graphs: the copy recaptures on first use."""
+        """Copies (deepcopy, pickle, torch.save) drop the captured graphs: the copy recaptures on first use.
+        They drop the link too: the linked optimizer holds the original's parameters, not the copy's."""
         state = dict(super().__getstate__())
-        state.update(_captures=OrderedDict(), _last=None, _fingerprint=None, _sizes_captured={})
+        state.update(_captures=OrderedDict(), _last=None, _fingerprint=None, _sizes_captured={}, _linked_optimizer=None)
+        state.update(_regions=None, _watch=None, _lock=None)  # made anew for the copy's own modules
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        register_parameters(self)  # so that decorate() over the copy's parameters links the copy
+        self._watch, self._lock = DeathWatch(), threading.RLock()
+        self._sync_regions()
 
     def __reduce_ex__(self, protocol):
         # Amp<Original> is made at run time, so pickle finds it through the original's class, not by name.

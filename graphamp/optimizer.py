@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 import enum
+import inspect
 from typing import Any, Callable, Sequence
 
 import torch
 
 from graphamp.errors import LossScalingError
 from graphamp.dtypes import HALF_DTYPES, dtype_name, resolve_dtype
-from graphamp.runtime.in_graph_scaling import link
+from graphamp.runtime.in_graph_scaling import link, relink
 from graphamp.loss_scaler import LossScaler
 
 __all__ = ["OptimizerWithMixedPrecision", "decorate"]
@@ -114,10 +116,13 @@ class _Iteration:
     def finish_if_all_stepped(self, loss_scaler: LossScaler) -> None:
         if any(m._stage is not _Stage.STEPPED for m in self.members):
             return
-        found_inf = self.members[0]._found_inf
-        for member in self.members[1:]:
-            found_inf = found_inf + member._found_inf.to(found_inf.device, non_blocking=True)
-        loss_scaler.update(found_inf)
+        # A wrapper without gradients stepped as a no-op (found_inf None); with none at all the scale stays.
+        checked = [m._found_inf for m in self.members if m._found_inf is not None]
+        if checked:
+            found_inf = checked[0]
+            for other in checked[1:]:
+                found_inf = found_inf + other.to(found_inf.device, non_blocking=True)
+            loss_scaler.update(found_inf)
         self.restart()
 
     def restart(self) -> None:
@@ -218,6 +223,7 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        relink(self)  # a copy taken with its model trains that copy with in-graph scaling, as the original did
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._optimizer.zero_grad(set_to_none=set_to_none)
@@ -296,11 +302,18 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
                 "unscale_() was already called since the last step(): the gradients are already unscaled; "
                 "call it once per iteration, after the last backward()."
             )
-        self._check_ready("unscale_")
-        if self._iteration.loss_scaled:
-            self._found_inf = self.loss_scaler.unscale_(self._grads())
+        self._check_not_waiting("unscale_")
+        self._unscale(self._grads(), "unscale_")
+
+    def _unscale(self, grads: list[torch.Tensor], what: str) -> None:
+        if not grads:
+            self._found_inf = None  # no gradient: nothing to unscale or check, and step() is eager's no-op
+        elif self._iteration.loss_scaled:
+            self._check_scaled(what)
+            self._found_inf = self.loss_scaler.unscale_(grads)
         else:
-            self._found_inf = self._check_true_gradients()
+            self._check_scaled(what)
+            self._found_inf = self._check_true_gradients(grads)
         self._stage = _Stage.UNSCALED
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -308,23 +321,30 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
 
         Args:
             closure: runs forward and backward (through a linked AmpModule, or ``opt.backward(loss)``) and returns
-                the loss, as Lightning's automatic optimization does; ``step`` then returns that loss.
+                the loss, as Lightning's automatic optimization does; ``step`` then returns that loss. An optimizer
+                that evaluates it several times per step (LBFGS) gets it: each evaluation's gradients are unscaled
+                and checked, and an inf/NaN in any of them skips the whole step.
         """
+        if closure is not None and _step_needs_closure(self._optimizer):
+            return self._step_evaluating(closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_ready("step")
+        self._check_not_waiting("step")
         optimizer = self._optimizer
-        if getattr(optimizer, "_step_supports_amp_scaling", False):
+        grads = self._grads() if self._stage is _Stage.READY else None
+        if grads == [] or (self._stage is _Stage.UNSCALED and self._found_inf is None):
+            self._found_inf = None
+            result = optimizer.step()  # no gradient: eager's no-op, with nothing to unscale, check or refuse
+        elif getattr(optimizer, "_step_supports_amp_scaling", False):
             # GradScaler's contract with fused optimizers: they unscale by `grad_scale` and skip on `found_inf`
             # inside their kernel; `grad_scale` is None when the gradients are already unscaled.
-            if self._stage is _Stage.READY and not self._iteration.loss_scaled:
-                self._found_inf = self._check_true_gradients()
-                optimizer.grad_scale = None
-            elif self._stage is _Stage.READY:
-                self._found_inf = self.loss_scaler.check_finite(self._grads())
-                optimizer.grad_scale = self.loss_scaler.loss_scaling
+            if self._stage is _Stage.READY:
+                self._check_scaled("step")
+                scaled = self._iteration.loss_scaled
+                self._found_inf = self.loss_scaler.check_finite(grads) if scaled else self._check_true_gradients(grads)
+                optimizer.grad_scale = self.loss_scaler.loss_scaling if scaled else None
             else:
                 optimizer.grad_scale = None
             optimizer.found_inf = self._found_inf
@@ -334,26 +354,59 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
                 del optimizer.grad_scale, optimizer.found_inf
         else:
             if self._stage is _Stage.READY:
-                self.unscale_()
+                self._unscale(grads, "step")
             result = None if self._found_inf.item() else optimizer.step()  # the one host sync, as GradScaler's
-        if self._skipped_steps is None:
-            self._skipped_steps = torch.zeros((), dtype=torch.float32, device=self._found_inf.device)
-        self._skipped_steps.add_(self._found_inf.clamp(max=1.0))
+        self._finish_step()
+        return loss if closure is not None else result
+
+    def _step_evaluating(self, closure: Callable[[], Any]) -> Any:
+        """step(closure) of an optimizer that calls the closure itself, maybe several times (LBFGS)."""
+        self._check_not_waiting("step")
+        optimizer = self._optimizer
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        with torch.no_grad():  # to restore if a later evaluation overflows: the optimizer moved the weights by then
+            saved_params, saved_state = torch._foreach_mul(params, 1.0), copy.deepcopy(optimizer.state_dict())
+        losses = []
+
+        def evaluate():
+            self._stage = _Stage.READY  # the closure's backward() may run again
+            with torch.enable_grad():
+                losses.append(closure())
+            self._unscale(self._grads(), "step")
+            if self._found_inf is not None and self._found_inf.item():  # one sync per evaluation, as float(loss)
+                raise _Overflow
+            return losses[-1]
+
+        try:
+            optimizer.step(evaluate)
+        except _Overflow:
+            with torch.no_grad():
+                torch._foreach_copy_(params, saved_params)
+            optimizer.load_state_dict(saved_state)
+        self._finish_step()
+        return losses[0] if losses else None
+
+    def _finish_step(self) -> None:
+        if self._found_inf is not None:
+            if self._skipped_steps is None:
+                self._skipped_steps = torch.zeros((), dtype=torch.float32, device=self._found_inf.device)
+            self._skipped_steps.add_(self._found_inf.clamp(max=1.0))
         self._stage = _Stage.STEPPED
         self._iteration.finish_if_all_stepped(self.loss_scaler)
-        return loss if closure is not None else result
 
     def minimize(self, loss: torch.Tensor) -> Any:
         """Paddle's one call: ``backward(loss)``, then ``step()``. Zeroing the gradients is ``zero_grad()``'s job."""
         self.backward(loss)
         return self.step()
 
-    def _check_ready(self, what: str) -> None:
+    def _check_not_waiting(self, what: str) -> None:
         if self._stage is _Stage.STEPPED:
             raise LossScalingError(
                 f"{what}() after this optimizer's step() while the loss scaling update still waits for "
                 f"{self._iteration.waiting_for()}: step every optimizer sharing the loss scaler once per iteration."
             )
+
+    def _check_scaled(self, what: str) -> None:
         if not (self._iteration.loss_scaled or self._iteration.scaled_in_graph or self.loss_scaler.is_fixed_at_one()):
             raise LossScalingError(
                 f"{what}() without a scaled backward since the last step, and the loss scaling is "
@@ -396,10 +449,9 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
         self._iteration.scaled_in_graph = True
         return self.loss_scaler.state_on(device)
 
-    def _check_true_gradients(self) -> torch.Tensor:
+    def _check_true_gradients(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """``found_inf`` of gradients that hold no scaling (in-graph scaling, or a scale fixed at 1.0)."""
-        grads = self._grads()
-        self.loss_scaler.state_on(grads[0].device if grads else torch.device("cpu"))
+        self.loss_scaler.state_on(grads[0].device)
         return self.loss_scaler.check_finite(grads)
 
     # -- for logging ------------------------------------------------------------------------------------------------
@@ -417,3 +469,13 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
     def skipped_steps(self) -> int:
         """How many of this wrapper's steps were skipped for inf/NaN gradients (one host sync)."""
         return 0 if self._skipped_steps is None else int(self._skipped_steps.item())
+
+
+class _Overflow(Exception):
+    """An evaluation of a closure optimizer's step found inf/NaN gradients: the step is abandoned and undone."""
+
+
+def _step_needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step` requires its closure (LBFGS re-evaluates it during the step)."""
+    closure = inspect.signature(type(optimizer).step).parameters.get("closure")
+    return closure is not None and closure.default is inspect.Parameter.empty

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import graphamp
-from models import gpt2, token_batch
+from models import TwoLayer, gpt2, token_batch
 
 
 def rewritten_gpt2(amp_lists):
@@ -59,3 +59,15 @@ def test_training_the_deepcopy_leaves_the_original_alone(bf16):
             parameter.mul_(0.5)
     assert not torch.equal(ema(input_ids=ids).logits, before)
     assert torch.equal(amp(input_ids=ids).logits, before)
+
+
+def test_a_hooked_model_copies_and_its_hooks_run_on_the_copy(bf16):
+    torch.manual_seed(0)
+    model, x = TwoLayer(), torch.randn(8, 16)
+    calls = []
+    model.fc1.register_forward_hook(lambda module, args, output: calls.append(1))
+    amp = graphamp.rewrite(model, (x,), amp_lists=bf16)
+    copied = copy.deepcopy(amp)
+    calls.clear()
+    copied(x), amp(x)
+    assert len(calls) == 2 and copied._regions is not None

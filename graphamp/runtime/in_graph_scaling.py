@@ -21,11 +21,39 @@ from torch.utils.weak import WeakIdKeyDictionary
 from graphamp.errors import LossScalingError
 
 __all__ = [
-    "amp_modules_of", "link", "register_parameters", "run_scaled", "scale_gradients", "scaling_factors", "unscale_gradients",
+    "amp_modules_of", "link", "register_parameters", "relink", "run_scaled", "scale_gradients", "scaling_factors",
+    "times", "unscale_gradients",
 ]
 
 # parameter -> weakref to the AmpModule it belongs to (weak both ways: an AmpModule holds its parameters).
 _amp_module_of_parameter = WeakIdKeyDictionary()
+# parameter -> weakref to a copied decorated optimizer rebuilt before the copy of the parameter's AmpModule.
+_optimizer_waiting_for_parameter = WeakIdKeyDictionary()
+
+
+def times(factor: torch.Tensor, grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`grads` times a loss-scaling factor, one foreach kernel; under create_graph=True differentiable as the identity.
+
+    Why the identity: a gradient penalty differentiates the graph's backward again. Its second-order gradient enters
+    that backward where the first-order one leaves (into the master weights, an input) and reaches the graph's inputs
+    through the tensors the forward saved, so it passes the 1/scale at the inputs once more. Left out of the factors
+    here, it runs through the graph scaled as the first-order gradients do, and comes out true.
+    """
+    if torch.is_grad_enabled():
+        return list(_Times.apply(factor, *grads))
+    return torch._foreach_mul(grads, factor)
+
+
+class _Times(torch.autograd.Function):
+    """`grads` times `factor`; the gradient passes back unchanged (see `times`)."""
+
+    @staticmethod
+    def forward(ctx, factor: torch.Tensor, *grads: torch.Tensor):
+        return tuple(torch._foreach_mul(list(grads), factor))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, *grads)
 
 
 class _ScaleGradients(torch.autograd.Function):
@@ -42,7 +70,7 @@ class _ScaleGradients(torch.autograd.Function):
     def backward(ctx, *grads):
         (factor,) = ctx.saved_tensors
         present = [i for i, g in enumerate(grads) if g is not None]
-        scaled = torch._foreach_mul([grads[i] for i in present], factor) if present else []
+        scaled = times(factor, [grads[i] for i in present]) if present else []
         result = [None] * len(grads)
         for i, g in zip(present, scaled):
             result[i] = g
@@ -79,8 +107,27 @@ class _UnscaleGradients(_ScaleGradients):
 def register_parameters(amp_module: torch.nn.Module) -> None:
     """Remember which AmpModule owns each of its parameters, so that decorate() finds it."""
     ref = weakref.ref(amp_module)
+    waiting = []
     for parameter in amp_module.parameters():
         _amp_module_of_parameter[parameter] = ref
+        waiting.append(_optimizer_waiting_for_parameter.pop(parameter, None))
+    for optimizer in {id(o): o for o in (ref() for ref in waiting if ref is not None) if o is not None}.values():
+        amp_module._link_optimizer(optimizer)
+
+
+def relink(optimizer) -> None:
+    """Link a copy of a decorated optimizer (deepcopy, pickle) to the copies of its AmpModules, whichever of the
+    two is rebuilt first; a copy of the optimizer alone has parameters of its own, and links to nothing."""
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    amp_modules = amp_modules_of(parameters)
+    for amp_module in amp_modules:
+        linked = amp_module._linked_optimizer
+        if linked is None or linked() is None:  # a copied AmpModule's; a live link (copy.copy's original) stays
+            amp_module._link_optimizer(optimizer)
+    if not amp_modules:
+        ref = weakref.ref(optimizer)
+        for parameter in parameters:
+            _optimizer_waiting_for_parameter[parameter] = ref
 
 
 def amp_modules_of(parameters) -> list[torch.nn.Module]:

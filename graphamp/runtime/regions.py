@@ -155,6 +155,9 @@ class RegionForward:
         self.scaling = scaling
         self.pieces: dict = {}
 
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "pieces": {}}  # a copy's AmpModule captures its own pieces
+
     def __call__(self, *args, **kwargs):
         flat, spec = pytree.tree_flatten((args, kwargs))
         piece = self.pieces.get(_call_key(self.module.training, spec, flat))

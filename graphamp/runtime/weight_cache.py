@@ -5,8 +5,9 @@ accumulation over N micro-batches each weight is cast N times per optimizer step
 the graph take those casts as inputs instead, and a `WeightCache` keeps them between forwards. A copy is made
 once by `weight.to(dtype)` outside the graph; its autograd node (ToCopyBackward0, which saves no tensor)
 carries every later backward's gradient to the master weight, cast to FP32, exactly as the cast inside the
-graph did. When a weight changes, its copy is recast in place at the next forward, all stale copies in one
-`torch._foreach_copy_`.
+graph did; under loss scaling in the graph one node per forward does that instead, dividing by that forward's
+scale (`_CastGradientsUp`). When a weight changes, its copy is recast in place at the next forward, all stale
+copies in one `torch._foreach_copy_`.
 
 A weight has changed when
 - any torch optimizer stepped (a global step post-hook): every weight that requires grad may have changed, not
@@ -33,6 +34,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from graphamp.aten_ops import written_inputs
 from graphamp.dtypes import HALF_DTYPES
+from graphamp.runtime.in_graph_scaling import times
 
 __all__ = ["WeightCache", "feed_weight_casts"]
 
@@ -79,22 +81,33 @@ def _is_plain_cast_down(node) -> bool:
     return node.target is _CAST_OP and set(node.kwargs) == {"dtype"} and node.kwargs["dtype"] in HALF_DTYPES
 
 
-class _GradientTimes(torch.autograd.Function):
-    """Identity forward; backward multiplies the FP32 gradient by `factor` as it is at backward time.
-
-    Under loss scaling in the graph the kept copies' gradients arrive scaled; this node, between the master
-    weight and its cast, divides them in float32 (after the cast up), by the loss scaling of the forward that
-    used the copy. The factor is updated in place before each such forward, hence not saved for backward.
+class _CastGradientsUp(torch.autograd.Function):
+    """One forward's kept copies, as its inputs; backward takes their gradients to the master weights: cast up to
+    float32, then times `factor`, this forward's 1/scale (in float32: in float16 the division would flush the small
+    gradients the scaling is there to keep). One node per forward, so each backward divides by its own forward's
+    scale, even after a skipped step changed the scale while the copies stayed.
     """
 
     @staticmethod
-    def forward(ctx, weight: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-        ctx.factor = factor
-        return weight.detach()
+    def forward(ctx, factor: torch.Tensor, static: bool, copies: list[torch.Tensor], *weights: torch.Tensor):
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(factor)
+        copies = tuple([low.detach() for low in copies])  # new tensors on their storage: the kept keep their history
+        if static:
+            for low in copies:
+                torch._dynamo.mark_static_address(low)
+        return copies
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad * ctx.factor, None
+    def backward(ctx, *grads):
+        (factor,) = ctx.saved_tensors
+        present = [i for i, g in enumerate(grads) if g is not None]
+        # float32 whatever the master weight's dtype (FP32, or float64): autograd casts to it on the way in.
+        up = times(factor, [grads[i].float() for i in present]) if present else []
+        result = [None] * len(grads)
+        for i, grad in zip(present, up):
+            result[i] = grad
+        return (None, None, None, *result)
 
 
 @dataclass
@@ -108,11 +121,10 @@ class _Copy:
     stale: bool = False
 
     @classmethod
-    def of(cls, weight: torch.Tensor, dtype: torch.dtype, gradient_factor: torch.Tensor | None = None) -> _Copy:
+    def of(cls, weight: torch.Tensor, dtype: torch.dtype) -> _Copy:
         # Outside inference mode and with grad on: the copy serves every later forward and backward.
         with torch.inference_mode(False), torch.enable_grad():
-            source = weight if gradient_factor is None else _GradientTimes.apply(weight, gradient_factor)
-            low = source.to(dtype)
+            low = weight.to(dtype)
         return cls(low, weight._version, weight.data_ptr(), weight.requires_grad)
 
     def holds(self, weight: torch.Tensor) -> bool:
@@ -132,8 +144,7 @@ class WeightCache:
     """
 
     def __init__(self) -> None:
-        self._copies = WeakIdKeyDictionary()  # parameter -> {(dtype, scaled in the graph): _Copy}
-        self._factors: dict[torch.device, torch.Tensor] = {}  # 1/scale under loss scaling in the graph
+        self._copies = WeakIdKeyDictionary()  # parameter -> {dtype: _Copy}
         self.static_addresses = False  # mark copies for CUDA graphs (compile mode "reduce-overhead")
         _install_step_hook()
         _caches.add(self)
@@ -148,20 +159,20 @@ class WeightCache:
             gradient_factor: under loss scaling in the graph, 1/scale of this forward: the copies' gradients
                 are multiplied by it in float32, on their way back to the master weights.
         """
-        factor = self._factor_for(gradient_factor)
-        casts, stale = [], {}
+        casts, stale, trained, trained_weights = [], {}, [], []
         for weight, dtype in weights:
+            if gradient_factor is not None and weight.requires_grad:
+                trained.append(len(casts))
+                trained_weights.append(weight)
             if type(weight) is not nn.Parameter:
-                source = weight if factor is None else _GradientTimes.apply(weight, factor)
-                casts.append(source.to(dtype))
+                casts.append(weight.to(dtype))
                 continue
             copies = self._copies.get(weight)
             if copies is None:
                 copies = self._copies[weight] = {}
-            key = (dtype, factor is not None)
-            kept = copies.get(key)
+            kept = copies.get(dtype)
             if kept is None or not kept.holds(weight):
-                kept = copies[key] = _Copy.of(weight, dtype, factor)
+                kept = copies[dtype] = _Copy.of(weight, dtype)
                 if self.static_addresses:
                     torch._dynamo.mark_static_address(kept.low)
             elif kept.stale or kept.version != weight._version:
@@ -169,18 +180,15 @@ class WeightCache:
             casts.append(kept.low)
         if stale:
             _recast([kept for kept, _ in stale.values()], [weight for _, weight in stale.values()])
+        if trained and len(trained) == len(casts):  # this forward's own node between the copies and the master weights
+            return list(_CastGradientsUp.apply(gradient_factor, self.static_addresses, casts, *trained_weights))
+        if trained:
+            through = _CastGradientsUp.apply(
+                gradient_factor, self.static_addresses, [casts[i] for i in trained], *trained_weights
+            )
+            for i, cast in zip(trained, through):
+                casts[i] = cast
         return casts
-
-    def _factor_for(self, gradient_factor: torch.Tensor | None) -> torch.Tensor | None:
-        """The one factor tensor the kept copies' backward reads, set to this forward's value."""
-        if gradient_factor is None:
-            return None
-        kept = self._factors.get(gradient_factor.device)
-        if kept is None:
-            kept = self._factors[gradient_factor.device] = gradient_factor.detach().clone()
-        else:
-            kept.copy_(gradient_factor)
-        return kept
 
     def mark_trained_stale(self) -> None:
         """Recast the copies of weights that require grad at their next use (an optimizer stepped)."""
