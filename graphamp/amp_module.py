@@ -145,6 +145,25 @@ class AmpModule(nn.Module):
     def forward(self, *args, **kwargs):
         return self._run(args, kwargs)
 
+    def __call__(self, *args, **kwargs):
+        replaced = self.__dict__.get("forward")
+        if replaced is None:
+            return super().__call__(*args, **kwargs)
+        # A forward set on the instance (a trainer's patch) that never reaches graphamp runs the original's FP32
+        # modules through attribute fall-through: training goes on, silently without mixed precision.
+        runs = self.__dict__.get("_calls_run", 0)
+        result = super().__call__(*args, **kwargs)
+        if self.__dict__.get("_calls_run", 0) == runs and self.__dict__.get("_warned_forward") is not replaced:
+            self.__dict__["_warned_forward"] = replaced
+            warnings.warn(
+                f"the AmpModule's forward was replaced by {getattr(replaced, '__qualname__', replaced)!r}, which "
+                f"ran the original model's modules in float32 without graphamp's graph: this call had no mixed "
+                f"precision. Fix: patch the original model before graphamp.rewrite(), or have the new forward "
+                f"call the AmpModule's own forward.",
+                stacklevel=2,
+            )
+        return result
+
     # torch.compile(amp_model) leaves the call to graphamp: it runs its own (compile=True: inductor) graphs, and
     # dynamo tracing into capture and the per-call checks would freeze them.
     @torch.compiler.disable
@@ -154,6 +173,7 @@ class AmpModule(nn.Module):
             return self._run_locked(args, kwargs, dynamic)
 
     def _run_locked(self, args: tuple, kwargs: dict, dynamic: bool | None):
+        self.__dict__["_calls_run"] = self.__dict__.get("_calls_run", 0) + 1
         captured, flat_inputs = self._captured_for(args, kwargs, dynamic)
         scale = self._loss_scaling_for_this_call()
         if self._regions is not None:

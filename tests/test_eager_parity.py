@@ -143,3 +143,30 @@ def test_peft_merge_and_unload_after_training_gives_the_merged_models_outputs(bf
     merged = lora.merge_and_unload()
     assert relative_error(amp(x), autocast_output(merged, x)) < 3e-2
     assert relative_error(before, autocast_output(merged, x)) < 3e-2
+
+
+def test_a_forward_patched_onto_the_amp_module_that_bypasses_the_graph_is_named_in_a_warning(bf16):
+    import types
+
+    model, x = model_and_batch()
+    amp = graphamp.rewrite(model, (x,), amp_lists=bf16)
+
+    def trainer_forward(self, x):  # a trainer's patch: runs the submodules itself, in float32
+        return self.fc2(torch.relu(self.fc1(x)))
+
+    amp.forward = types.MethodType(trainer_forward, amp)
+    with pytest.warns(UserWarning, match="trainer_forward.*no mixed precision"):
+        amp(x)
+
+
+def test_a_forward_wrapper_that_calls_the_amp_modules_forward_runs_silently(bf16, recwarn):
+    model, x = model_and_batch()
+    amp = graphamp.rewrite(model, (x,), amp_lists=bf16)
+    inner = amp.forward
+
+    def to_fp32(*args, **kwargs):  # accelerate's convert_outputs_to_fp32 does this
+        return inner(*args, **kwargs).float()
+
+    amp.forward = to_fp32
+    assert relative_error(amp(x), autocast_output(model, x)) < 3e-2
+    assert not [w for w in recwarn if "no mixed precision" in str(w.message)]
