@@ -60,6 +60,7 @@ class BackendGraph:
     graph_module: GraphModule  # pre-autograd ATen, casts inserted: what inductor compiled (or what runs)
     report: RewriteReport
     original_code: str  # the ATen graph before the cast pass (export's diff.txt)
+    parameter_placeholders: dict[str, str]  # placeholder name -> the parameter's or buffer's path in the model
     timings: dict = field(default_factory=dict)  # phase -> seconds: lower to ATen, cast pass, inductor
 
 
@@ -97,7 +98,7 @@ class AmpBackend:
             fp32_placeholders=norm_parameter_placeholders(aten_graph) if self.level == "O2" else frozenset(),
         )
         timings["cast pass"] = time.perf_counter() - start
-        graph = BackendGraph(aten_graph, report, original_code, timings)
+        graph = BackendGraph(aten_graph, report, original_code, state_placeholders(gm, aten_graph), timings)
         self.graphs.append(graph)
         if not self.inductor:
             return aten_graph
@@ -183,8 +184,23 @@ def module_fqn(dynamo_path: str) -> str:
     """`L['self'].model.layers[0]._modules['mlp']` -> `model.layers.0.mlp`, the path named_modules() gives."""
     path = re.sub(r"^[LG]\[['\"][^'\"]*['\"]\]\.?", "", dynamo_path)
     path = _KEY.sub(r".\1", _INDEX.sub(r".\1", path))
-    path = re.sub(r"\._modules\.|\._modules$|^_modules\.", ".", path)
-    return path.strip(".").replace("..", ".")
+    parts = [part for part in path.split(".") if part and part not in ("_modules", "_parameters", "_buffers")]
+    return ".".join(parts)
+
+
+def state_placeholders(gm: GraphModule, aten_graph: GraphModule) -> dict[str, str]:
+    """{ATen placeholder name: parameter or buffer path} for the model state dynamo passes as graph inputs.
+
+    The ATen graph's placeholders are dynamo's, in order; dynamo's `grapharg.source` says where each came from
+    (`L['self']._modules['inp']._parameters['weight']` -> `inp.weight`).
+    """
+    names = {}
+    for dynamo_input, aten_input in zip(gm.graph.find_nodes(op="placeholder"), aten_graph.graph.find_nodes(op="placeholder")):
+        source = getattr(dynamo_input.meta.get("grapharg"), "source", None)
+        where = source.name() if callable(getattr(source, "name", None)) else getattr(source, "name", "")
+        if "._parameters[" in where or "._buffers[" in where:
+            names[aten_input.name] = module_fqn(where)
+    return names
 
 
 def norm_parameter_placeholders(aten_graph: GraphModule) -> frozenset[str]:
