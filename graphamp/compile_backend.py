@@ -181,7 +181,8 @@ _KEY = re.compile(r"\[['\"]([^'\"]+)['\"]\]")
 
 
 def module_fqn(dynamo_path: str) -> str:
-    """`L['self'].model.layers[0]._modules['mlp']` -> `model.layers.0.mlp`, the path named_modules() gives."""
+    """`L['self'].model.layers[0]._modules['mlp']` -> `model.layers.0.mlp`, the path named_modules() gives
+    (`..._parameters['weight']` -> `...weight`, as named_parameters())."""
     path = re.sub(r"^[LG]\[['\"][^'\"]*['\"]\]\.?", "", dynamo_path)
     path = _KEY.sub(r".\1", _INDEX.sub(r".\1", path))
     parts = [part for part in path.split(".") if part and part not in ("_modules", "_parameters", "_buffers")]
@@ -195,7 +196,8 @@ def state_placeholders(gm: GraphModule, aten_graph: GraphModule) -> dict[str, st
     (`L['self']._modules['inp']._parameters['weight']` -> `inp.weight`).
     """
     names = {}
-    for dynamo_input, aten_input in zip(gm.graph.find_nodes(op="placeholder"), aten_graph.graph.find_nodes(op="placeholder")):
+    aten_inputs = aten_graph.graph.find_nodes(op="placeholder")
+    for dynamo_input, aten_input in zip(gm.graph.find_nodes(op="placeholder"), aten_inputs):
         source = getattr(dynamo_input.meta.get("grapharg"), "source", None)
         where = source.name() if callable(getattr(source, "name", None)) else getattr(source, "name", "")
         if "._parameters[" in where or "._buffers[" in where:

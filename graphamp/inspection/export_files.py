@@ -97,7 +97,8 @@ def _export_backend(amp_backend: AmpBackend, out: Path, overwrite: bool) -> Path
     for folder in folders:
         check_out_dir(folder, overwrite)
     for i, (folder, graph) in enumerate(zip(folders, amp_backend.graphs)):
-        lifted = [n for n in graph.graph_module.graph.find_nodes(op="placeholder") if n.name in graph.parameter_placeholders]
+        placeholders = graph.graph_module.graph.find_nodes(op="placeholder")
+        lifted = [n for n in placeholders if n.name in graph.parameter_placeholders]
         in_graph = sum(n.target == CAST_OP for n in graph.graph_module.graph.nodes)
         not_rerun = CastCounts(in_graph, None, False, "a torch.compile backend's graph is not rerun; graphamp's count "
                                "is the cast nodes in the graph")
