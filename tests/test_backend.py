@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import graphamp
-from graphamp.inspection.recording import DtypeRecorder, floating
+from graphamp.inspection.recording import DtypeRecorder, floating, recording_inside
 from models import VOCAB, token_batch
 
 BF16_TOLERANCE = 3e-2
@@ -45,21 +45,6 @@ class Branchy(nn.Module):
         return self.head(h)
 
 
-def recording(amp_backend):
-    """A backend that runs graphamp's graphs (inductor=False) under a DtypeRecorder: dynamo runs eagerly, not
-    compiled, while a dispatch mode is active around the call, so the recorder goes inside each graph's run."""
-    recorder = DtypeRecorder()
-
-    def compiler(gm, example_inputs):
-        run = amp_backend(gm, example_inputs)
-
-        def recorded(*args):
-            with recorder:
-                return run(*args)
-        return recorded
-    return compiler, recorder
-
-
 def close(actual, expected, tolerance=BF16_TOLERANCE) -> bool:
     return ((actual.float() - expected.float()).norm() / expected.float().norm().clamp_min(1e-12)).item() < tolerance
 
@@ -67,8 +52,8 @@ def close(actual, expected, tolerance=BF16_TOLERANCE) -> bool:
 def test_data_dependent_branch_runs_both_ways_with_its_matmuls_low(bf16):
     torch.manual_seed(0)
     model = Branchy()
-    compiler, recorder = recording(graphamp.backend(bf16, inductor=False))
-    compiled = torch.compile(model, backend=compiler)
+    recorder = DtypeRecorder()
+    compiled = torch.compile(model, backend=recording_inside(graphamp.backend(bf16, inductor=False), recorder))
     x = torch.randn(8, 16)
     for threshold in (-1e9, 1e9):  # one call down each branch
         model.threshold = threshold
