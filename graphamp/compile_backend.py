@@ -13,6 +13,7 @@ The file is not `backend.py`: a function must not share its name with a submodul
 
 from __future__ import annotations
 
+import functools
 import re
 import time
 from dataclasses import dataclass, field
@@ -124,6 +125,7 @@ def to_aten(gm: GraphModule, example_inputs: list, index: int = 0) -> GraphModul
     dynamo metadata (nn_module_stack, stack_trace), which the cast pass reads for black modules.
     """
     fake_mode, fake_inputs = _fake_inputs(gm, example_inputs)
+    _give_checkpoints_their_policy(gm)
 
     def run(*args):
         with fx_traceback.preserve_node_meta():  # each new node takes the meta of the dynamo node it came from
@@ -142,11 +144,45 @@ def to_aten(gm: GraphModule, example_inputs: list, index: int = 0) -> GraphModul
         ) from error
     finally:
         fake_mode.allow_non_fake_inputs = allowed
+    aten_graph = _autocast_regions_as_higher_order_ops(aten_graph)
     for node in aten_graph.graph.nodes:
         stack = node.meta.get("nn_module_stack")
         if stack:  # dynamo's paths (L['self'].layers[0].mlp) as named_modules() paths (layers.0.mlp)
             node.meta["nn_module_stack"] = {key: (module_fqn(path), kind) for key, (path, kind) in stack.items()}
     return aten_graph
+
+
+def _autocast_regions_as_higher_order_ops(aten_graph: GraphModule) -> GraphModule:
+    """`with torch.autocast(..., enabled=False)` in the model traces as enter/exit calls; torch.export's own pass
+    wraps each region in the wrap_with_autocast op, whose body the cast pass keeps as the model wrote it."""
+    enter = torch.amp.autocast_mode._enter_autocast
+    if not aten_graph.graph.find_nodes(op="call_function", target=enter):
+        return aten_graph
+    try:  # a private module of torch.export's: without it the regions are cast like the rest
+        from torch._export.passes.replace_autocast_with_hop_pass import replace_autocast_with_hop_pass
+    except ImportError:
+        return aten_graph
+    return replace_autocast_with_hop_pass(aten_graph, None)[0]
+
+
+def _give_checkpoints_their_policy(gm: GraphModule) -> None:
+    """Tracing a checkpointed region (dynamo's tag_activation_checkpoint) to pre-autograd ATen reads the body's
+    `_checkpoint_context_fn`, which dynamo sets only when the user passed a context_fn (torch 2.13): give plain
+    checkpoints the policy torch itself gives them, recompute everything."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    checkpoint_op = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+    for node in gm.graph.find_nodes(op="call_function", target=checkpoint_op) if checkpoint_op else []:
+        body = getattr(gm, node.args[0].target)
+        body.meta.setdefault(
+            "_checkpoint_context_fn", functools.partial(create_selective_checkpoint_contexts, _recompute_all)
+        )
+
+
+def _recompute_all(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def _fake_inputs(gm: GraphModule, example_inputs: list):

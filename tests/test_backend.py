@@ -161,6 +161,58 @@ def test_o2_keeps_normalization_weights_fp32(bf16):
     assert weight.meta["val"].dtype == torch.float32
 
 
+class Checkpointed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(lambda t, block=block: block(t).relu(), x, use_reentrant=False)
+        return x.square().mean()
+
+
+def test_activation_checkpointing_keeps_its_regions_and_their_matmuls_run_low(bf16):
+    torch.manual_seed(0)
+    model = Checkpointed()
+    reference = copy.deepcopy(model)
+    amp_backend = graphamp.backend(bf16, inductor=False)
+    x = torch.randn(4, 16)
+    torch.compile(model, backend=amp_backend)(x).backward()
+    reference(x).backward()
+    (graph,) = amp_backend.graphs
+    regions = graph.graph_module.graph.find_nodes(
+        op="call_function", target=torch.ops.higher_order.tag_activation_checkpoint
+    )
+    assert len(regions) == 2
+    body = getattr(graph.graph_module, regions[0].args[0].target)
+    (linear,) = [n for n in body.graph.nodes if n.target == torch.ops.aten.linear.default]
+    assert linear.meta["val"].dtype == torch.bfloat16
+    assert close(model.blocks[0].weight.grad, reference.blocks[0].weight.grad)
+
+
+class Fp32Region(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.low = nn.Linear(8, 8)
+        self.kept = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.low(x)
+        with torch.autocast("cpu", enabled=False):  # the model's own FP32 region
+            return self.kept(h.float()).relu()
+
+
+def test_a_region_the_model_keeps_out_of_autocast_runs_fp32(bf16):
+    recorder = DtypeRecorder()
+    model = Fp32Region()
+    x = torch.randn(4, 8)
+    out = torch.compile(model, backend=recording_inside(graphamp.backend(bf16, inductor=False), recorder))(x)
+    products = recorder.calls_of("addmm")
+    assert [floating(call.in_dtypes) for call in products] == [{torch.bfloat16}, {torch.float32}]
+    assert close(out, model(x))
+
+
 def test_the_backend_takes_lists_only():
     with pytest.raises(graphamp.ArgumentError, match="AutoMixedPrecisionLists"):
         graphamp.backend("bfloat16")
