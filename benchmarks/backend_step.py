@@ -126,13 +126,14 @@ def measure(name: str, rounds: int, steps: int, batch: int, seq: int) -> dict:
 
 
 def cpu_name() -> str:
+    """'AMD EPYC (avx512_bf16)': the model name, and whether the CPU computes bfloat16 natively."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
+        return platform.processor() or "unknown CPU"
+    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown CPU")
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    return f"{name} ({'avx512_bf16' if 'avx512_bf16' in flags else 'no native bfloat16'})"
 
 
 def table(results: dict) -> str:
@@ -166,7 +167,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     results = {name: measure(name, args.rounds, args.steps, args.batch, args.seq) for name in args.models.split(",")}
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    device = f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}"
+    device = f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__} CPU"
     settings = (
         f"{device}; {datetime.date.today()}; {args.threads} torch thread(s); bfloat16; batch {args.batch} x {args.seq} tokens; median of "
         f"{args.rounds} interleaved rounds x {args.steps} steps (forward, backward, AdamW step); load average "
