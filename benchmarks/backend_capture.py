@@ -115,8 +115,8 @@ def run(front_end: str, build, lists) -> str:
         loss = loss_of(net(**batch))
         loss.backward()
     except Exception as error:  # the table reports the failure
-        first = (str(error).strip().splitlines() or [""])[0]
-        return f"fails: {type(error).__name__}: {first[:90]}"
+        first = (str(error).strip().splitlines() or [""])[0].split(" at /")[0]  # the message, not the path
+        return f"fails: {type(error).__name__}: {first[:110]}"
     torch.manual_seed(1)
     with torch.autocast("cpu", lists.dtype):
         expected = loss_of(reference(**batch))
