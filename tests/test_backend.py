@@ -92,6 +92,17 @@ def test_reports_hold_one_report_per_graph_dynamo_compiled(bf16):
     assert sum(report.casts_inserted for report in amp_backend.reports) > 0
 
 
+def test_black_modules_match_the_models_own_paths(bf16):
+    amp_backend = graphamp.backend(bf16.with_changes(black_modules=["head"]), inductor=False)
+    torch.compile(Branchy(), backend=amp_backend)(torch.randn(4, 16))
+    linears = {
+        node.meta["graphamp"]["module"]: node.meta["val"].dtype
+        for graph in amp_backend.graphs for node in graph.graph_module.graph.nodes
+        if node.target == torch.ops.aten.linear.default
+    }
+    assert linears == {"inp": torch.bfloat16, "up": torch.bfloat16, "head": torch.float32}
+
+
 def test_master_gradients_are_fp32_and_close_to_eager(bf16):
     torch.manual_seed(0)
     model = Branchy()
