@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import re
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +27,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from graphamp.cast_pass import RewriteReport, check_level, insert_casts
 from graphamp.errors import ArgumentError, CaptureError
 from graphamp.lists import AutoMixedPrecisionLists
+from graphamp.optimizer import OptimizerWithMixedPrecision
+from graphamp.runtime.in_graph_scaling import run_scaled
 
 __all__ = ["AmpBackend", "BackendGraph", "backend"]
 
@@ -80,6 +83,26 @@ class AmpBackend:
         self.inductor = inductor
         self.inductor_options = inductor_options
         self.graphs: list[BackendGraph] = []
+        self._linked_optimizer = None
+
+    def link_optimizer(self, optimizer: OptimizerWithMixedPrecision) -> None:
+        """Scale gradients inside every graph by this decorated optimizer's loss scaling, so that a plain
+        `loss.backward()` (any training loop) leaves true FP32 gradients in `.grad`, as a linked AmpModule does.
+
+        Each graph's floating outputs pass the gradient on times the scale and its inputs (the master weights,
+        the activations from a graph before a graph break) divide it again: between graphs and in `.grad` the
+        gradients are true, inside them (the float16 backward) scaled. Without a link, use
+        `optimizer.backward(loss)` or `minimize(loss)`.
+
+        Args:
+            optimizer: what `graphamp.decorate()` returned (the latest link wins).
+        """
+        if not isinstance(optimizer, OptimizerWithMixedPrecision):
+            raise ArgumentError(
+                f"link_optimizer() takes the optimizer graphamp.decorate() returns, got {type(optimizer).__name__}: "
+                f"decorate it first."
+            )
+        self._linked_optimizer = weakref.ref(optimizer)
 
     @property
     def reports(self) -> list[RewriteReport]:
@@ -102,13 +125,23 @@ class AmpBackend:
         graph = BackendGraph(aten_graph, report, original_code, state_placeholders(gm, aten_graph), timings)
         self.graphs.append(graph)
         if not self.inductor:
-            return aten_graph
+            return self._scaling_when_linked(aten_graph)
         from torch._inductor.compile_fx import compile_fx  # imported late: inductor takes seconds to import
 
         start = time.perf_counter()
         compiled = compile_fx(aten_graph, example_inputs, config_patches=self.inductor_options or None)
         timings["inductor"] = time.perf_counter() - start
-        return compiled
+        return self._scaling_when_linked(compiled)
+
+    def _scaling_when_linked(self, run):
+        def call(*args):
+            optimizer = self._linked_optimizer() if self._linked_optimizer is not None else None
+            if optimizer is None or not torch.is_grad_enabled():
+                return run(*args)
+            device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+            scale = optimizer._scale_in_graph(device)  # None while the scale is fixed at 1.0 (bfloat16's default)
+            return run(*args) if scale is None else run_scaled(run, list(args), scale)
+        return call
 
     def __repr__(self) -> str:
         return (

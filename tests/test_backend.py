@@ -284,6 +284,38 @@ def test_float16_overflow_skips_the_step_and_halves_the_scale(fp16):
     assert not all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
 
 
+def test_a_linked_optimizer_scales_inside_each_graph_so_plain_backward_gives_true_gradients(fp16):
+    torch.manual_seed(0)
+    model = Branchy()  # two graphs: the gradient crosses the graph break between them
+    reference = copy.deepcopy(model)
+    amp_backend = graphamp.backend(fp16, inductor=False)
+    optimizer = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, init_loss_scaling=1024.0)
+    amp_backend.link_optimizer(optimizer)
+    x = torch.randn(8, 16)
+    torch.compile(model, backend=amp_backend)(x).square().mean().backward()  # no optimizer.backward()
+    reference(x).square().mean().backward()
+    assert len(amp_backend.graphs) == 2
+    for parameter, expected in zip(model.parameters(), reference.parameters()):
+        if expected.grad is not None:
+            assert parameter.grad.dtype == torch.float32
+            assert close(parameter.grad, expected.grad, 5e-2)  # scaled once or twice would be 1024x off
+    optimizer.step()
+    assert not optimizer.found_inf and optimizer.skipped_steps == 0
+
+
+def test_with_a_linked_optimizer_a_float16_overflow_in_plain_backward_skips_the_step(fp16):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    amp_backend = graphamp.backend(fp16, inductor=False)
+    optimizer = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, init_loss_scaling=2.0**40)
+    amp_backend.link_optimizer(optimizer)
+    weights = [p.detach().clone() for p in model.parameters()]
+    torch.compile(model, backend=amp_backend)(torch.randn(4, 8)).square().mean().backward()
+    optimizer.step()
+    assert optimizer.found_inf and optimizer.get_loss_scaling() == 2.0**39
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
+
+
 def tiny_deberta_v2():
     from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
 
