@@ -265,6 +265,19 @@ def test_tiny_llama_trains_like_autocast_with_fp32_master_gradients(bf16):
     assert max(abs(a - b) for a, b in zip(losses, reference_losses)) < 3e-2
 
 
+def test_generate_runs_its_prefill_and_decode_steps_through_rewritten_graphs(bf16):
+    torch.manual_seed(0)
+    model = tiny_llama().eval()
+    model.config.use_cache = True
+    ids = token_batch(batch=1, seq=6)
+    expected = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    amp_backend = graphamp.backend(bf16, inductor=False)
+    model.forward = torch.compile(model.forward, backend=amp_backend)  # HF's way to compile for generate()
+    assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0), expected)
+    assert len(amp_backend.graphs) >= 2  # prefill, decode
+    assert all(report.decisions["white"] >= 14 for report in amp_backend.reports)  # 7 GEMMs a layer
+
+
 def test_float16_overflow_skips_the_step_and_halves_the_scale(fp16):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
