@@ -23,25 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import graphamp  # noqa: E402
 from encoder_models import ENCODERS  # noqa: E402
-from models import VOCAB, bert, gpt2, token_batch  # noqa: E402
-
-
-def _tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, use_cache=False, pad_token_id=0)
-    ids = token_batch()
-    return LlamaForCausalLM(config), {"input_ids": ids, "labels": ids}
-
-
-def _deberta_v2():
-    from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
-
-    config = DebertaV2Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                             intermediate_size=64, num_labels=3, relative_attention=True,
-                             pos_att_type=["p2c", "c2p"], position_buckets=8, pad_token_id=0)
-    return DebertaV2ForSequenceClassification(config), {"input_ids": token_batch(), "labels": torch.tensor([0, 2])}
+from models import bert, deberta_v2, gpt2, llama, token_batch  # noqa: E402
 
 
 def _speech(kind):
@@ -84,8 +66,8 @@ MODELS = {
     **{name: build for name, build in ENCODERS.items()},
     "bert + labels": _with_labels(lambda: (bert(), {"input_ids": token_batch()})),
     "gpt2 + labels": lambda: (gpt2(), {"input_ids": token_batch(), "labels": token_batch()}),
-    "llama + labels": _tiny_llama,
-    "deberta-v2 + labels": _deberta_v2,
+    "llama + labels": lambda: (llama(), {"input_ids": token_batch(), "labels": token_batch()}),
+    "deberta-v2 + labels": lambda: (deberta_v2(), {"input_ids": token_batch(), "labels": torch.tensor([0, 2])}),
     "wav2vec2 + labels (CTC)": lambda: _speech("Wav2Vec2"),
     "hubert + labels (CTC)": lambda: _speech("Hubert"),
     "if x.mean() > t": lambda: (Branch(), {"x": torch.randn(4, 16)}),

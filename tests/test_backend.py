@@ -11,7 +11,7 @@ from torch import nn
 
 import graphamp
 from graphamp.inspection.recording import DtypeRecorder, floating, recording_inside
-from models import VOCAB, token_batch
+from models import deberta_v2, llama, token_batch
 
 BF16_TOLERANCE = 3e-2
 
@@ -229,19 +229,9 @@ def test_the_backend_takes_lists_only():
         graphamp.backend("bfloat16")
 
 
-def tiny_llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, use_cache=False, pad_token_id=0,
-    )
-    return LlamaForCausalLM(config)
-
-
 def test_tiny_llama_trains_like_autocast_with_fp32_master_gradients(bf16):
     torch.manual_seed(0)
-    model = tiny_llama()
+    model = llama()
     reference = copy.deepcopy(model)
     ids = token_batch(batch=2, seq=16)
     compiled = torch.compile(model, backend=graphamp.backend(bf16))
@@ -267,7 +257,7 @@ def test_tiny_llama_trains_like_autocast_with_fp32_master_gradients(bf16):
 
 def test_generate_runs_its_prefill_and_decode_steps_through_rewritten_graphs(bf16):
     torch.manual_seed(0)
-    model = tiny_llama().eval()
+    model = llama().eval()
     model.config.use_cache = True
     ids = token_batch(batch=1, seq=6)
     expected = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
@@ -329,20 +319,9 @@ def test_with_a_linked_optimizer_a_float16_overflow_in_plain_backward_skips_the_
     assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights))
 
 
-def tiny_deberta_v2():
-    from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
-
-    config = DebertaV2Config(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        max_position_embeddings=64, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-        pad_token_id=0, relative_attention=True, pos_att_type=["p2c", "c2p"], position_buckets=8,
-    )
-    return DebertaV2ForSequenceClassification(config)
-
-
 def test_deberta_v2_with_labels_trains_where_rewrite_cannot_capture_it(bf16):
     torch.manual_seed(0)
-    model = tiny_deberta_v2()
+    model = deberta_v2()
     ids, labels = token_batch(batch=4, seq=12), torch.tensor([0, 1, 2, 1])
     with pytest.raises(graphamp.CaptureError):
         graphamp.rewrite(copy.deepcopy(model), example_kwargs={"input_ids": ids, "labels": labels}, amp_lists=bf16)
