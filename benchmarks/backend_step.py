@@ -169,8 +169,8 @@ def main() -> None:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     device = f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__} CPU"
     settings = (
-        f"{device}; {datetime.date.today()}; {args.threads} torch thread(s); bfloat16; batch {args.batch} x {args.seq} tokens; median of "
-        f"{args.rounds} interleaved rounds x {args.steps} steps (forward, backward, AdamW step); load average "
+        f"{device}; {datetime.date.today()}; {args.threads} torch thread(s); bfloat16; batch {args.batch} x "
+        f"{args.seq} tokens; median of {args.rounds} interleaved rounds x {args.steps} steps (forward, backward, AdamW step); load average "
         f"{load:.1f} at the end (the machine is shared: figures are noisy)."
     )
     text = table(results)

@@ -8,7 +8,8 @@ shapes stay symbolic), goes through the same cast pass, and is compiled by induc
 Autograd differentiates through the casts, so the model's FP32 parameters stay the master weights and their
 gradients arrive in FP32.
 
-The file is not `backend.py`: a function must not share its name with a submodule (docs/../STYLE.md).
+The file is not `backend.py`: no public function shares its name with a submodule (the house style, and
+tests/test_architecture.py).
 """
 
 from __future__ import annotations
@@ -116,13 +117,14 @@ class AmpBackend:
         original_code = aten_graph.print_readable(print_output=False)
         timings["lower to ATen"] = time.perf_counter() - start
         start = time.perf_counter()
+        state = state_placeholders(gm, aten_graph)
         # fp32_outputs: the values leave in the dtypes dynamo traced, which the code after a graph break expects.
         report = insert_casts(
             aten_graph, self.amp_lists, self.level, fp32_outputs=True,
-            fp32_placeholders=norm_parameter_placeholders(aten_graph) if self.level == "O2" else frozenset(),
+            fp32_placeholders=norm_parameter_placeholders(aten_graph, state) if self.level == "O2" else frozenset(),
         )
         timings["cast pass"] = time.perf_counter() - start
-        graph = BackendGraph(aten_graph, report, original_code, state_placeholders(gm, aten_graph), timings)
+        graph = BackendGraph(aten_graph, report, original_code, state, timings)
         self.graphs.append(graph)
         if not self.inductor:
             return self._scaling_when_linked(aten_graph)
@@ -274,19 +276,21 @@ def state_placeholders(gm: GraphModule, aten_graph: GraphModule) -> dict[str, st
     return names
 
 
-def norm_parameter_placeholders(aten_graph: GraphModule) -> frozenset[str]:
-    """Under O2, the placeholders read by a normalization module's ops (its weight and bias) stay FP32.
+def norm_parameter_placeholders(aten_graph: GraphModule, state: dict[str, str]) -> frozenset[str]:
+    """Under O2, the parameters read by a normalization module's ops (its weight and bias) stay FP32.
 
-    Dynamo passes parameters as plain inputs; what marks one as a norm weight is the module its readers run in
-    (LayerNorm, BatchNorm, GroupNorm, or a class named *Norm, such as LlamaRMSNorm), as rewrite() asks.
+    Dynamo passes parameters as plain inputs (`state`: placeholder -> path); what marks one as a norm weight is the
+    module its readers run in (LayerNorm, BatchNorm, GroupNorm, or a class named *Norm, such as LlamaRMSNorm), as
+    rewrite() asks of the parameter's owner.
     """
     names = set()
     for placeholder in aten_graph.graph.find_nodes(op="placeholder"):
-        if not isinstance(placeholder.meta.get("val"), torch.Tensor):
+        if placeholder.name not in state:
             continue
         for reader in placeholder.users:
             stack = reader.meta.get("nn_module_stack")
             kind = next(reversed(stack.values()))[1] if stack else None
-            if isinstance(kind, type) and (issubclass(kind, _NORM_TYPES) or "Norm" in kind.__name__):
+            name = kind.__name__ if isinstance(kind, type) else str(kind)
+            if (isinstance(kind, type) and issubclass(kind, _NORM_TYPES)) or "Norm" in name:
                 names.add(placeholder.name)
     return frozenset(names)
