@@ -1,7 +1,8 @@
 """graphamp: static-graph automatic mixed precision for PyTorch.
 
 The pipeline: lists (`AutoMixedPrecisionLists`) → capture (torch.export) → cast pass → `AmpModule`
-(`rewrite`) → loss scaling (`decorate`). Beside it, the tools: `export` (graphamp.inspection) and
+(`rewrite`) → loss scaling (`decorate`); or, as a torch.compile backend, dynamo → cast pass → inductor
+(`backend`). Beside it, the tools: `export` (graphamp.inspection) and
 `doctor`/`auto_mixed_precision` (graphamp.diagnosis).
 """
 
@@ -10,6 +11,7 @@ __version__ = "0.2.0"
 from graphamp import _renamed
 from graphamp.amp_module import AmpModule, rewrite
 from graphamp.cast_pass import RewriteReport
+from graphamp.compile_backend import backend
 from graphamp.diagnosis.auto_lists import AutoListsResult, auto_mixed_precision
 from graphamp.diagnosis.diagnose import DoctorReport, doctor
 from graphamp.errors import (
@@ -45,6 +47,7 @@ __all__ = [
     "WeightCache",
     "__version__",
     "auto_mixed_precision",
+    "backend",
     "decorate",
     "doctor",
     "export",

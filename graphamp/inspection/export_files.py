@@ -20,7 +20,8 @@ import torch.utils._pytree as pytree
 from torch._ops import HigherOrderOperator, OpOverload
 from torch.fx import GraphModule
 
-from graphamp.cast_pass import node_dtype
+from graphamp.cast_pass import CAST_OP, node_dtype
+from graphamp.compile_backend import AmpBackend
 from graphamp.dtypes import dtype_name
 from graphamp.errors import ExportError
 from graphamp.lists import Decision, op_lookup_keys
@@ -34,14 +35,18 @@ __all__ = ["FILES", "export"]
 FILES = ("graph.py", "graph.json", "graph.svg", "report.html", "diff.txt")
 
 
-def export(amp_model: AmpModule, out_dir, example_args=None, example_kwargs=None, overwrite: bool = False) -> Path:
+def export(
+    amp_model: AmpModule | AmpBackend, out_dir, example_args=None, example_kwargs=None, overwrite: bool = False
+) -> Path:
     """Write graph.py, graph.json, graph.svg, report.html and diff.txt for the graph `amp_model` last ran.
+
+    For a graphamp.backend, one such set of files a graph it rewrote, in out_dir/graph_0, graph_1, ...
 
     report.html reruns the model once through graphamp and once under torch.autocast, to count the casts each
     executes; the model's buffers and RNG state are restored after.
 
     Args:
-        amp_model: what `graphamp.rewrite()` returned.
+        amp_model: what `graphamp.rewrite()` returned, or the `graphamp.backend(...)` a torch.compile'd model ran.
         out_dir: the folder to write (created if missing).
         example_args, example_kwargs: a call of the model for the reruns, with the shapes of the graph last
             run. Default: the inputs that graph was captured on, which an AmpModule keeps for its newest
@@ -51,9 +56,12 @@ def export(amp_model: AmpModule, out_dir, example_args=None, example_kwargs=None
     Returns:
         The folder.
     """
+    if isinstance(amp_model, AmpBackend):
+        return _export_backend(amp_model, Path(out_dir), overwrite)
     if not isinstance(amp_model, AmpModule):
         raise TypeError(
-            f"export() takes the AmpModule that graphamp.rewrite() returns, got {type(amp_model).__name__}."
+            f"export() takes the AmpModule that graphamp.rewrite() returns, or a graphamp.backend, got "
+            f"{type(amp_model).__name__}."
         )
     out = Path(out_dir)
     check_out_dir(out, overwrite)
@@ -68,28 +76,63 @@ def export(amp_model: AmpModule, out_dir, example_args=None, example_kwargs=None
             "export() reruns the graph amp_model last ran, but that capture no longer holds its example inputs "
             "(only the newest capture keeps them): pass example_args/example_kwargs, a call of the model."
         )
-    graphs = sub_graphs(captured.graph_module)
-    records = [record for path, graph_module in graphs for record in node_records(graph_module, path)]
-    report = captured.report
+    lifted = captured.graph_module.graph.find_nodes(op="placeholder")[: len(captured.lifted)]
+    texts = graph_files(
+        type(amp_model.original_module).__name__, captured.graph_module, captured.report, captured.original_code,
+        lifted, captured.parameter_placeholders, lambda: count_executed_casts(amp_model, captured, inputs),
+    )
+    _write(out, texts)
+    return out
+
+
+def _export_backend(amp_backend: AmpBackend, out: Path, overwrite: bool) -> Path:
+    """One folder a graph, graph_0, graph_1, ... in the order dynamo compiled them. The graphs are not rerun
+    (the backend keeps no inputs): report.html counts the casts in the graph, not the ones executed."""
+    if not amp_backend.graphs:
+        raise ValueError(
+            "export() got a graphamp.backend that has rewritten no graph yet: call the torch.compile'd model once "
+            "before exporting its graphs."
+        )
+    folders = [out / f"graph_{i}" for i in range(len(amp_backend.graphs))]
+    for folder in folders:
+        check_out_dir(folder, overwrite)
+    for i, (folder, graph) in enumerate(zip(folders, amp_backend.graphs)):
+        placeholders = graph.graph_module.graph.find_nodes(op="placeholder")
+        lifted = [n for n in placeholders if n.name in graph.parameter_placeholders]
+        in_graph = sum(n.target == CAST_OP for n in graph.graph_module.graph.nodes)
+        not_rerun = CastCounts(in_graph, None, False, "a torch.compile backend's graph is not rerun; graphamp's count "
+                               "is the cast nodes in the graph")
+        texts = graph_files(
+            f"torch.compile graph {i}", graph.graph_module, graph.report, graph.original_code, lifted,
+            graph.parameter_placeholders, lambda: not_rerun,
+        )
+        _write(folder, texts)
+    return out
+
+
+def graph_files(model_name, graph_module, report, original_code, lifted, parameter_names, casts) -> dict[str, str]:
+    """{file name: text} of one rewritten graph; `casts()` counts the casts for report.html."""
+    graphs = sub_graphs(graph_module)
+    records = [record for path, sub_graph in graphs for record in node_records(sub_graph, path)]
     summary = {
-        "model": type(amp_model.original_module).__name__,
+        "model": model_name,
         "dtype": dtype_name(report.dtype),
         "level": report.level,
         "casts": report.casts_inserted,
         "unlisted_ops": dict(report.unlisted_ops.most_common()),
         "nodes": records,
     }
-    lifted = captured.graph_module.graph.find_nodes(op="placeholder")[: len(captured.lifted)]
-    svg = render_svg(graphs, records, lifted, captured.parameter_placeholders, _title(summary))
-
-    page = render_report(summary, svg, count_executed_casts(amp_model, captured, inputs), _title(summary))
-    texts = {
+    svg = render_svg(graphs, records, lifted, parameter_names, _title(summary))
+    return {
         "graph.py": _header(summary) + marked_code(graphs),
         "graph.json": json.dumps(summary, indent=1) + "\n",
         "graph.svg": svg,
-        "report.html": page,
-        "diff.txt": graph_diff(captured.original_code, captured.graph_module, summary),
+        "report.html": render_report(summary, svg, casts(), _title(summary)),
+        "diff.txt": graph_diff(original_code, graph_module, summary),
     }
+
+
+def _write(out: Path, texts: dict[str, str]) -> None:
     try:
         out.mkdir(parents=True, exist_ok=True)
         for name, text in texts.items():
@@ -98,7 +141,6 @@ def export(amp_model: AmpModule, out_dir, example_args=None, example_kwargs=None
         raise ExportError(
             f"{out}: cannot write the export there ({error}); pass a folder you can write to."
         ) from error
-    return out
 
 
 def check_out_dir(out: Path, overwrite: bool) -> None:

@@ -13,7 +13,7 @@ from torch._higher_order_ops.cond import cond_op
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["DtypeRecorder", "KernelCall", "floating"]
+__all__ = ["DtypeRecorder", "KernelCall", "floating", "recording_inside"]
 
 
 @dataclass
@@ -58,6 +58,23 @@ def _conversions(call: KernelCall) -> int:
         half = len(call.in_dtypes) // 2
         return sum(d != s for d, s in zip(call.in_dtypes[:half], call.in_dtypes[half:2 * half]))
     return 0
+
+
+def recording_inside(compiler_fn, recorder: DtypeRecorder):
+    """A torch.compile backend that runs `compiler_fn`'s graphs under `recorder`.
+
+    Dynamo runs a frame eagerly while a dispatch mode is active around the call, so to see what a compiled
+    model's graphs execute, the recorder must go inside each graph's run. Use it with a backend that runs fx
+    code (graphamp.backend(..., inductor=False)): inductor's kernels do not dispatch.
+    """
+    def compiler(gm, example_inputs):
+        run = compiler_fn(gm, example_inputs)
+
+        def recorded(*args):
+            with recorder:
+                return run(*args)
+        return recorded
+    return compiler
 
 
 @cond_op.py_impl(DtypeRecorder)
