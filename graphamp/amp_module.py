@@ -32,6 +32,7 @@ from graphamp.lists import AutoMixedPrecisionLists
 from graphamp.runtime.module_hooks import check_backward_hooks, noting_side_effect_hooks
 from graphamp.runtime.progress import Progress
 from graphamp.runtime.regions import Regions, check_sharding, region_paths
+from graphamp.dynamic_dims import size_oblivious
 from graphamp.runtime.shapes import InputGuard, InputSignature, is_dynamic, signature_of, specialized_dims, without_defaults
 from graphamp.runtime.weight_cache import WeightCache, feed_weight_casts
 
@@ -269,7 +270,7 @@ class AmpModule(nn.Module):
                 f"forward.",
                 stacklevel=4,
             )
-        with self.progress.phase(CAST_PASS_PHASE, timings):
+        with self.progress.phase(CAST_PASS_PHASE, timings), size_oblivious(dynamic):  # no guard on a size of 1
             captured.report = insert_casts(
                 captured.graph_module, self.amp_lists, self.level, self.fp32_outputs,
                 fp32_placeholders(self._original, captured, self.level),

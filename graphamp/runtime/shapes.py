@@ -129,7 +129,8 @@ def specialized_dims(
             seen = {sizes[index][dim] for sizes in seen_sizes if sizes[index] is not None and len(sizes[index]) > dim}
             if isinstance(size, int) and len(seen) > 1:
                 why = (
-                    "torch.export specializes sizes 0 and 1" if size in (0, 1)
+                    f"the call that made the dynamic capture had {size} there, and a dim of 0 or 1 is captured static"
+                    if size in (0, 1)
                     else "the model's code requires this size (it meets a fixed size, e.g. a weight's)"
                 )
                 found.append(f"{name} dim {dim} is static at {size}: {why}")
