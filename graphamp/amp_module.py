@@ -34,6 +34,7 @@ from graphamp.lists import AutoMixedPrecisionLists
 from graphamp.runtime.module_hooks import check_global_hooks
 from graphamp.runtime.progress import Progress
 from graphamp.runtime.regions import Regions, called_module_paths, root_is_called_as_module
+from graphamp.dynamic_dims import size_oblivious
 from graphamp.runtime.shapes import InputGuard, InputSignature, is_dynamic, signature_of, specialized_dims, without_defaults
 from graphamp.runtime.weight_cache import WeightCache, feed_weight_casts
 
@@ -300,7 +301,7 @@ class AmpModule(nn.Module):
                 self._original, args, kwargs, tuple(self._regions.paths) if self._regions is not None else (),
                 dynamic=dynamic, promote_ops=self.amp_lists.promote_ops,
             )
-        with self.progress.phase(CAST_PASS_PHASE, timings):
+        with self.progress.phase(CAST_PASS_PHASE, timings), size_oblivious(dynamic):  # no guard on a size of 1
             captured.report = insert_casts(
                 captured.graph_module, self.amp_lists, self.level, self.fp32_outputs,
                 fp32_placeholders(self._original, captured, self.level),

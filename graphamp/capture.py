@@ -19,11 +19,11 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.export.graph_signature import InputKind, OutputKind
 
+from graphamp.cache_pytree import register_cache_pytree_for
+from graphamp.dynamic_dims import automatic_dynamic_dims, sizes_from_one
 from graphamp.errors import CaptureError
 from graphamp.list_files import default_lists_dir
 from graphamp.lists import read_promote_ops
-from graphamp.runtime.generation import register_cache_pytree_for
-from graphamp.runtime.shapes import automatic_dynamic_dims
 from graphamp.type_promotion import PromoteMixedInputs
 
 __all__ = ["Captured", "LiftedInput", "capture", "explain_capture_failure"]
@@ -79,7 +79,8 @@ def capture(
     """Export `model` on (args, kwargs) in its current train/eval mode; raise CaptureError if it cannot be.
 
     preserve_module_call_signature: module paths whose calls' inputs and outputs are recorded in `module_calls`.
-    dynamic: leave every dim of the tensor inputs symbolic where the model allows (graphamp.runtime.shapes).
+    dynamic: leave every dim of the tensor inputs symbolic, from size 1 up, where the model allows
+    (graphamp.dynamic_dims).
     promote_ops: ops whose mixed floating inputs are cast to the widest, as autocast does (default: the
     shipped lists/promote.txt).
     """
@@ -102,6 +103,8 @@ def capture(
         raise
     except Exception as error:
         raise CaptureError(explain_capture_failure(model, error)) from error
+    if dynamic:
+        sizes_from_one(program.graph_module)
     captured = _from_program(model, program)
     captured.example_inputs = (tuple(args), kwargs)
     captured.training = model.training

@@ -58,6 +58,43 @@ def test_the_core_imports_nothing_from_the_tools():
     assert [o for o in offenders if o.split(":")[0] not in allowed] == []
 
 
+def imports_of(path: Path) -> set[str]:
+    """The graphamp modules a file imports, at its top or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("graphamp"):
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.startswith("graphamp")}
+    return found
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def pipeline_step(module: str) -> int:
+    """lists, capture, cast pass (and their helpers) → runtime → amp_module → optimizer → tools → the top."""
+    if module in ("graphamp", "graphamp.cli", "graphamp._renamed"):
+        return 5
+    if module.startswith(TOOLS):
+        return 4
+    steps = {"graphamp.optimizer": 3, "graphamp.amp_module": 2}
+    return steps.get(module, 1 if module.startswith("graphamp.runtime") else 0)
+
+
+def test_imports_run_one_way_along_the_pipeline():
+    # capture.py once imported graphamp.runtime, whose regions.py imports capture: a cycle between the steps.
+    backwards = [
+        f"{module_name(path)} imports {imported}"
+        for path in PACKAGE.rglob("*.py")
+        for imported in imports_of(path)
+        if pipeline_step(imported) > pipeline_step(module_name(path))
+    ]
+    assert backwards == []
+
+
 @pytest.mark.parametrize("old, new", [
     ("graphamp.module", "graphamp.amp_module"), ("graphamp.scaling", "graphamp.loss_scaler"),
     ("graphamp.export", "graphamp.inspection.export_files"), ("graphamp.doctor", "graphamp.diagnosis.diagnose"),

@@ -54,3 +54,25 @@ def test_doctor_says_a_loss_already_nan_in_fp32_and_suggests_nothing(bf16, seede
     assert report.suggestions == []
     assert "already inf/NaN in FP32" in str(report)
     assert "no inf/NaN" not in str(report)
+
+
+def test_a_loss_already_nan_in_fp32_makes_the_report_not_finite(bf16, seeded):
+    report = graphamp.doctor(LogOfNegative(), (torch.randn(8, 4),), amp_lists=bf16)
+    assert not report.finite
+
+
+class NanInFp32OnTheSecondStep(nn.Module):
+    """doctor seeds step k with k: torch.rand gives 0.50 on the first step (finite) and 0.76 on the second (NaN)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        shift = (torch.rand(()) > 0.6).float() * 100
+        return (self.proj(x).abs() + 1 - shift).log().mean()
+
+
+def test_a_loss_nan_in_fp32_on_a_later_step_makes_the_report_not_finite(bf16, seeded):
+    report = graphamp.doctor(NanInFp32OnTheSecondStep(), (torch.randn(8, 4),), amp_lists=bf16, steps=2)
+    assert report.fp32_nonfinite == "loss" and not report.finite

@@ -99,12 +99,14 @@ def test_dynamic_false_captures_each_shape(bf16):
 
 
 def test_a_size_outside_the_dynamic_range_gets_a_capture_of_its_own(bf16):
-    amp = graphamp.rewrite(gpt2(), (), {"input_ids": token_batch(2, 8)}, amp_lists=bf16)
-    amp(input_ids=token_batch(3, 9))  # the dynamic capture: sizes from 2 up
+    model = nn.Linear(8, 8)
+    amp = graphamp.rewrite(model, (torch.randn(2, 8),), amp_lists=bf16)
+    amp(torch.randn(3, 8))  # the dynamic capture: batches from 1 up
 
-    logits = amp(input_ids=token_batch(1, 9)).logits  # torch.export specializes a size of 1
+    x = torch.randn(0, 8)  # an empty batch
+    out = amp(x)
 
-    assert logits.shape == (1, 9, amp.config.vocab_size)
+    assert out.shape == model(x).shape == (0, 8)
     assert len(amp.captures) == 3
 
 
@@ -166,7 +168,7 @@ def test_overflow_warning_names_the_shape_that_differs(bf16):
 def test_dim_that_varies_but_is_specialized_is_reported(bf16):
     amp = graphamp.rewrite(nn.Linear(8, 8), (torch.randn(5, 8),), amp_lists=bf16)
 
-    with pytest.warns(UserWarning, match=r"args\[0\] dim 0 is static at 1: torch.export specializes sizes 0 and 1"):
+    with pytest.warns(UserWarning, match=r"args\[0\] dim 0 is static at 1: the call that made the dynamic capture had 1"):
         amp(torch.randn(1, 8))
 
 
@@ -178,3 +180,103 @@ def test_dynamic_capture_exports_its_files(bf16, tmp_path):
         graphamp.export(amp, tmp_path)
 
     assert (tmp_path / "graph.py").read_text().count("_to_copy") > 0
+
+
+# -- sizes of 1 ---------------------------------------------------------------------------------------------------
+
+class TinyAttention(nn.Module):
+    """Embedding, one attention head (views, transposes, batched matmuls, a broadcast mask), a loss."""
+
+    def __init__(self, vocab=32, width=16):
+        super().__init__()
+        self.embed, self.qkv, self.head = nn.Embedding(vocab, width), nn.Linear(width, 3 * width), nn.Linear(width, vocab)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, ids, labels):
+        batch, length = ids.shape
+        q, k, v = self.qkv(self.embed(ids)).view(batch, length, 3, -1).unbind(2)
+        causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).tril()
+        scores = (q @ k.transpose(1, 2) / 4).masked_fill(~causal, float("-inf"))
+        logits = self.head(self.norm(scores.softmax(-1) @ v))
+        return logits, nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def test_batch_sizes_from_one_up_cost_one_dynamic_capture_and_match_eager(bf16, seeded):
+    model = TinyAttention()
+    ids = torch.randint(0, 32, (4, 8))
+    amp = graphamp.rewrite(model, (ids, ids), amp_lists=bf16)
+
+    for batch in (4, 3, 1, 5, 2, 7, 1, 6, 8):
+        ids = torch.randint(0, 32, (batch, 8))
+        (logits, loss), (expected_logits, expected_loss) = amp(ids, ids), model(ids, ids)
+        loss.backward()
+        assert logits.shape == expected_logits.shape
+        assert relative_error(logits, expected_logits) < BF16_RTOL
+        assert relative_error(loss, expected_loss) < BF16_RTOL
+
+    assert len(amp.captures) == 2  # the first static, then one dynamic that serves a batch of 1 too
+
+
+class SqueezesTheBatch(nn.Module):
+    """`squeeze(0)` drops the batch dim only when it is 1: the graph must do what eager does at that size."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x).squeeze(0)
+
+
+def test_an_op_that_drops_a_dim_of_one_gives_eagers_shape_at_batch_one(bf16):
+    model = SqueezesTheBatch()
+    amp = graphamp.rewrite(model, (torch.randn(4, 8),), amp_lists=bf16)
+    amp(torch.randn(3, 8))  # the dynamic capture
+
+    x = torch.randn(1, 8)
+    out = amp(x)
+
+    assert out.shape == model(x).shape == (8,)
+    assert relative_error(out, model(x)) < BF16_RTOL
+    assert len(amp.captures) == 2
+
+
+class DoublesABatchOfOne(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x) * 2 if x.shape[0] == 1 else self.fc(x)
+
+
+def test_code_that_branches_on_a_batch_of_one_gets_a_capture_of_its_own(bf16):
+    model = DoublesABatchOfOne()
+    amp = graphamp.rewrite(model, (torch.randn(4, 8),), amp_lists=bf16)
+    amp(torch.randn(3, 8))  # the dynamic capture, traced on the other branch
+
+    x = torch.randn(1, 8)
+
+    assert relative_error(amp(x), model(x)) < BF16_RTOL
+    assert len(amp.captures) == 3
+
+
+class AddsTwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, y):
+        return self.fc(x) + y
+
+
+def test_a_batch_of_one_that_broadcasts_against_another_input_matches_eager(bf16):
+    model = AddsTwoInputs()
+    amp = graphamp.rewrite(model, (torch.randn(4, 8), torch.randn(4, 8)), amp_lists=bf16)
+    amp(torch.randn(3, 8), torch.randn(3, 8))  # the dynamic capture: both batches one size
+
+    x, y = torch.randn(1, 8), torch.randn(3, 8)  # eager broadcasts x's batch of 1
+    out = amp(x, y)
+
+    assert out.shape == model(x, y).shape == (3, 8)
+    assert relative_error(out, model(x, y)) < BF16_RTOL

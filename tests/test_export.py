@@ -225,6 +225,23 @@ def test_find_dot_finds_graphviz_pure():
     assert find_dot().endswith(("graphviz-pure", "dot"))
 
 
+def test_find_dot_finds_graphviz_pure_of_a_pip_install_target(tmp_path, monkeypatch):
+    """pip install --target DIR puts graphamp in DIR/graphamp and graphviz-pure's program in DIR/bin."""
+    import graphamp.inspection.graph_picture as graph_picture
+
+    program = tmp_path / "bin" / "graphviz-pure"
+    program.parent.mkdir()
+    program.write_text("#!/bin/sh\n")
+    program.chmod(0o755)
+    elsewhere = str(tmp_path / "nowhere")
+    monkeypatch.setattr(graph_picture, "__file__", str(tmp_path / "graphamp" / "inspection" / "graph_picture.py"))
+    monkeypatch.setattr(graph_picture.shutil, "which", lambda name: None)
+    monkeypatch.setattr(graph_picture.sysconfig, "get_path", lambda *args: elsewhere)
+    monkeypatch.setattr(graph_picture.sys, "executable", str(tmp_path / "nowhere" / "python"))
+
+    assert find_dot() == str(program)
+
+
 def test_export_without_graphviz_says_how_to_install_it(tmp_path, monkeypatch):
     amp = graphamp.rewrite(nn.Linear(4, 4), (torch.randn(2, 4),), amp_lists=BF16)
     monkeypatch.setattr("graphamp.inspection.graph_picture.os.access", lambda path, mode: False)

@@ -86,26 +86,24 @@ def test_batched_generation_with_padding_matches_autocast(bf16, seeded):
     assert torch.equal(tokens, expected)
 
 
-class DataDependentLlama:
-    """A Llama whose cached forward branches on a token's value: its generation steps cannot be captured."""
+def llama_branching_on_a_token_in_eval():
+    """A Llama whose forward, in eval mode only, branches on a token's value: it is rewritten in train mode,
+    and its generation steps (eval mode) cannot be captured, whatever keywords generate() passes."""
+    model = llama().train()
+    plain_forward = type(model).forward
 
-    @staticmethod
-    def build():
-        model = llama().eval()
-        plain_forward = type(model).forward
+    def forward(self, input_ids=None, **kwargs):
+        if not self.training and input_ids.max() > VOCAB:
+            input_ids = input_ids % VOCAB
+        return plain_forward(self, input_ids=input_ids, **kwargs)
 
-        def forward(self, input_ids=None, past_key_values=None, **kwargs):
-            if past_key_values is not None and input_ids.max() > VOCAB:
-                input_ids = input_ids % VOCAB
-            return plain_forward(self, input_ids=input_ids, past_key_values=past_key_values, **kwargs)
-
-        model.forward = forward.__get__(model)
-        return model
+    model.forward = forward.__get__(model)
+    return model
 
 
 def test_uncapturable_generation_warns_once_and_runs_the_original(bf16, seeded):
-    model = DataDependentLlama.build()
-    amp = graphamp.rewrite(model, (), {"input_ids": token_batch(1, 8)}, amp_lists=bf16)
+    model = llama_branching_on_a_token_in_eval()
+    amp = graphamp.rewrite(model, (), {"input_ids": token_batch(1, 8)}, amp_lists=bf16).eval()
     ids = token_batch(1, 8, seed=3)
 
     with warnings.catch_warnings(record=True) as caught:

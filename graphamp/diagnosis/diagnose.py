@@ -64,7 +64,11 @@ class DoctorReport:
 
     @property
     def finite(self) -> bool:
-        return self.first_nonfinite is None and self.first_nonfinite_grad is None and self.failure is None
+        """Whether every run measured was finite: an FP32 run already inf/NaN counts, though no list is to blame."""
+        return (
+            self.first_nonfinite is None and self.first_nonfinite_grad is None and self.failure is None
+            and self.fp32_nonfinite is None
+        )
 
     def top_offenders(self, count: int = 10) -> list[NodeNumerics]:
         """The nodes that hurt most: inf/NaN first, then overflow in the low dtype, then their own error."""
@@ -226,6 +230,7 @@ def _nonfinite_in_fp32(reference) -> str | None:
 def _merge(report: DoctorReport, comparison, reference) -> None:
     """Fold a later step into the report: the worst figure per node, the first inf/NaN of the earliest step."""
     report.failure = report.failure or comparison.failure
+    report.fp32_nonfinite = report.fp32_nonfinite or _nonfinite_in_fp32(reference)
     for mine, theirs in zip(report.nodes, comparison.nodes):
         mine.merge(theirs)
     by_name = {r.name: r for r in report.nodes}
@@ -299,7 +304,7 @@ def format_report(report: DoctorReport, count: int = 10) -> str:
     if report.first_nonfinite_grad is not None:
         r = report.first_nonfinite_grad
         lines.append(f"  first inf/NaN (backward): gradient of {r.name} = {r.op} in {r.module or '(top level)'}")
-    if report.finite and report.fp32_nonfinite is None:
+    if report.finite:
         lines.append("  no inf/NaN: the rewritten run is finite forward and backward")
     if report.loss is not None:
         lines.append(f"  loss: FP32 {format_number(report.loss['fp32'])}, {low} {format_number(report.loss['amp'])} "

@@ -259,7 +259,7 @@ def find_dot() -> str:
         sysconfig.get_path("scripts"),
         str(Path(sys.executable).parent),  # a venv used without activating it
         sysconfig.get_path("scripts", f"{os.name}_user"),
-        str(Path(__file__).resolve().parents[1] / "bin"),  # pip install --target DIR puts scripts in DIR/bin
+        str(_install_folder() / "bin"),  # pip install --target DIR puts scripts in DIR/bin
     ]))
     candidates = [shutil.which("graphviz-pure"), *(str(Path(f) / "graphviz-pure") for f in folders)]
     for candidate in [*candidates, shutil.which("dot")]:
@@ -269,6 +269,11 @@ def find_dot() -> str:
         "graph.svg needs Graphviz's dot and none was found (looked for graphviz-pure on PATH and in "
         f"{', '.join(folders)}, then dot on PATH). Fix: pip install graphviz-pure."
     )
+
+
+def _install_folder() -> Path:
+    """DIR of DIR/graphamp/...: this file's folder up as many levels as its module path is deep."""
+    return Path(__file__).resolve().parents[__name__.count(".")]
 
 
 def run_dot(source: str, output_format: str = "svg") -> str | bytes:

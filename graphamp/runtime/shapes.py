@@ -1,4 +1,5 @@
-"""Input signatures and dynamic shapes: which capture serves a call, and which dims a capture leaves symbolic.
+"""Input signatures and dynamic shapes: which capture serves a call (graphamp.dynamic_dims marks the dims a
+capture leaves symbolic).
 
 torch.compile's "automatic dynamic" rule, applied to torch.export: a signature's first capture is static; a
 call that differs from it only in tensor sizes is captured once more with every dim torch.export can keep
@@ -8,7 +9,6 @@ signature without sizes; the shape environment's own guards say whether it fits 
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 from collections.abc import Hashable
 from dataclasses import dataclass, replace
@@ -19,12 +19,8 @@ from torch import nn
 from torch._guards import detect_fake_mode
 
 __all__ = [
-    "InputGuard", "InputSignature", "automatic_dynamic_dims", "is_dynamic", "signature_of", "specialized_dims",
-    "without_defaults",
+    "InputGuard", "InputSignature", "is_dynamic", "signature_of", "specialized_dims", "without_defaults",
 ]
-
-# Where torch._dynamo.maybe_mark_dynamic records a tensor's dims (left on a tensor, they fail compiled guards).
-_MARKERS = ("_dynamo_weak_dynamic_indices", "_has_dynamo_dim_marking")
 
 
 @dataclass(frozen=True)
@@ -90,29 +86,6 @@ def without_defaults(model: nn.Module, kwargs: dict) -> dict:
     return {name: value for name, value in kwargs.items() if not is_default(name, value)}
 
 
-@contextlib.contextmanager
-def automatic_dynamic_dims(tree):
-    """Mark every dim of every tensor in `tree` dynamic for the capture made inside the block.
-
-    torch.export reads dynamo's `maybe_mark_dynamic` markers (as it reads `Dim.AUTO`, whose dynamic_shapes
-    spec cannot name a forward's **kwargs): a dim stays symbolic where the model allows and is specialized
-    where its code requires a size (a weight's width, a size of 0 or 1); `specialized_dims` reports those.
-    The markers are taken off the caller's tensors afterwards.
-    """
-    tensors = [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.dim() > 0]
-    saved = [{name: t.__dict__[name] for name in _MARKERS if name in t.__dict__} for t in tensors]
-    for tensor in tensors:
-        for dim in range(tensor.dim()):
-            torch._dynamo.maybe_mark_dynamic(tensor, dim)
-    try:
-        yield
-    finally:
-        for tensor, markers in zip(tensors, saved):
-            for name in _MARKERS:
-                tensor.__dict__.pop(name, None)
-            tensor.__dict__.update(markers)
-
-
 class InputGuard:
     """torch's guards over a dynamic capture's input sizes: whether a call of the same signature fits the graph."""
 
@@ -156,7 +129,8 @@ def specialized_dims(
             seen = {sizes[index][dim] for sizes in seen_sizes if sizes[index] is not None and len(sizes[index]) > dim}
             if isinstance(size, int) and len(seen) > 1:
                 why = (
-                    "torch.export specializes sizes 0 and 1" if size in (0, 1)
+                    f"the call that made the dynamic capture had {size} there, and a dim of 0 or 1 is captured static"
+                    if size in (0, 1)
                     else "the model's code requires this size (it meets a fixed size, e.g. a weight's)"
                 )
                 found.append(f"{name} dim {dim} is static at {size}: {why}")

@@ -1,0 +1,73 @@
+"""Dynamic dims for a capture: which input dims torch.export keeps symbolic, sizes from 1 up.
+
+torch.export reads dynamo's `maybe_mark_dynamic` markers (as it reads `Dim.AUTO`, whose dynamic_shapes spec
+cannot name a forward's **kwargs): a dim stays symbolic where the model allows and is specialized where its
+code requires a size (a weight's width); graphamp.runtime.shapes.specialized_dims reports those. By default
+torch also specializes sizes 0 and 1, so a batch of 1 would cost a capture of its own; here a dynamic graph is
+traced size-oblivious instead (torch's backed_size_oblivious, as its ONNX exporter does), and its symbolic
+sizes admit 1 and up.
+
+Why a batch of 1 gets eager's result: the rewritten graph replays ATen ops, which compute with the real sizes
+at run time (`squeeze(0)` still drops a dim of 1); Python code that branches on a size still adds a guard, so
+such a call gets a capture of its own; a 1 that would broadcast against another input's size fails a guard.
+Only torch's internal "is this size 1?" questions are answered "no" without a guard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.utils._pytree as pytree
+from torch.fx.experimental import _config as shapes_config
+from torch.fx.experimental.symbolic_shapes import constrain_range
+
+__all__ = ["automatic_dynamic_dims", "size_oblivious", "sizes_from_one"]
+
+# Where torch._dynamo.maybe_mark_dynamic records a tensor's dims (left on a tensor, they fail compiled guards).
+_MARKERS = ("_dynamo_weak_dynamic_indices", "_has_dynamo_dim_marking")
+
+
+@contextlib.contextmanager
+def automatic_dynamic_dims(tree):
+    """Mark every dim of size 2 or more of every tensor in `tree` dynamic for the capture made inside the block.
+
+    The block traces size-oblivious, so a symbolic size is not specialized when the model's graph meets a 1;
+    call `sizes_from_one` on the captured graph to keep its symbolic sizes from 1 up. The markers are taken off
+    the caller's tensors afterwards.
+    """
+    tensors = [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.dim() > 0]
+    saved = [{name: t.__dict__[name] for name in _MARKERS if name in t.__dict__} for t in tensors]
+    for tensor in tensors:
+        for dim, size in enumerate(tensor.shape):
+            # A dim of 0 or 1 stays static: traced size-oblivious, a 1 would not broadcast, and a 0 tells nothing.
+            if size > 1:
+                torch._dynamo.maybe_mark_dynamic(tensor, dim)
+    try:
+        with size_oblivious():
+            yield
+    finally:
+        for tensor, markers in zip(tensors, saved):
+            for name in _MARKERS:
+                tensor.__dict__.pop(name, None)
+            tensor.__dict__.update(markers)
+
+
+def size_oblivious(dynamic: bool = True):
+    """While a dynamic graph is traced or its fake values recomputed (the cast pass): torch answers "is this
+    size 1?" with "no" instead of adding a guard that would keep a batch of 1 out of the graph."""
+    if dynamic and hasattr(shapes_config, "backed_size_oblivious"):
+        return shapes_config.patch(backed_size_oblivious=True)
+    return contextlib.nullcontext()  # a static graph, or an older torch: sizes 1 specialize, each a capture
+
+
+def sizes_from_one(graph_module: torch.fx.GraphModule) -> None:
+    """Narrow the symbolic sizes of the graph's inputs to 1 and up (size-oblivious tracing left them from 0):
+    the guards made from the graph then send an empty input to a capture of its own."""
+    for node in graph_module.graph.find_nodes(op="placeholder"):
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            continue
+        for size in value.shape:
+            if isinstance(size, torch.SymInt) and size.node.expr.is_symbol:
+                constrain_range(size, min=1)
