@@ -169,11 +169,11 @@ class AmpModule(nn.Module):
     # dynamo tracing into capture and the per-call checks would freeze them.
     @torch.compiler.disable
     def _run(self, args: tuple, kwargs: dict, dynamic: bool | None = None):
-        check_no_autocast(device_of(self._original))
         with self._lock:
             return self._run_locked(args, kwargs, dynamic)
 
     def _run_locked(self, args: tuple, kwargs: dict, dynamic: bool | None):
+        check_no_autocast(device_of(self._original))
         self.__dict__["_calls_run"] = self.__dict__.get("_calls_run", 0) + 1
         captured, flat_inputs = self._captured_for(args, kwargs, dynamic)
         scale = self._loss_scaling_for_this_call()

@@ -75,12 +75,13 @@ def module_name(path: Path) -> str:
 
 
 def pipeline_step(module: str) -> int:
-    """lists, capture, cast pass (and their helpers) → runtime → amp_module → optimizer → tools → the top."""
+    """lists, capture, cast pass (and their helpers) → runtime → amp_module → optimizer → tools → the top.
+    The torch.compile backend, the second front end, sits beside the optimizer it links to for loss scaling."""
     if module in ("graphamp", "graphamp.cli", "graphamp._renamed"):
         return 5
     if module.startswith(TOOLS):
         return 4
-    steps = {"graphamp.optimizer": 3, "graphamp.amp_module": 2}
+    steps = {"graphamp.optimizer": 3, "graphamp.compile_backend": 3, "graphamp.amp_module": 2}
     return steps.get(module, 1 if module.startswith("graphamp.runtime") else 0)
 
 
