@@ -85,6 +85,9 @@ class AmpBackend:
         self.inductor_options = inductor_options
         self.graphs: list[BackendGraph] = []
         self._linked_optimizer = None
+        # Dynamo skips its guards on module hooks by default, so a hook registered after the first call would
+        # silently never run: graphamp's promise is eager semantics, so the guards are on from here.
+        torch._dynamo.config.skip_nnmodule_hook_guards = False
 
     def link_optimizer(self, optimizer: OptimizerWithMixedPrecision) -> None:
         """Scale gradients inside every graph by this decorated optimizer's loss scaling, so that a plain

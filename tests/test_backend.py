@@ -347,3 +347,16 @@ def test_export_writes_one_set_of_files_per_graph(bf16, tmp_path):
     for folder in folders:
         assert {p.name for p in (out / folder).iterdir()} >= {"graph.py", "graph.json", "diff.txt", "report.html"}
     assert "inserted cast" in (out / "graph_0" / "graph.py").read_text()
+
+
+def test_a_hook_registered_after_the_first_call_runs_on_the_next(bf16):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, x = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)), torch.randn(4, 8)
+    compiled = torch.compile(model, backend=graphamp.backend(bf16, inductor=False))
+    compiled(x)
+    seen = []
+    model[0].register_forward_hook(lambda module, args, output: seen.append(output.float().sum().item()))
+    compiled(x)
+    compiled(x)
+    assert len(seen) == 2
