@@ -1,13 +1,15 @@
 """A rewritten graph handed to torch.compile (inductor), its compiles reported and timed.
 
 Inductor compiles the forward graph on the first call (and again if a guard fails, say grad mode changes) and
-the backward graph lazily, on the first backward. Both start inside torch, so they are seen through dynamo's
+the backward graph lazily, on the first backward. The graph's casts of outputs up to float32 (fp32_outputs) run
+after it, outside (`casts_up_outside` says why). Both start inside torch, so they are seen through dynamo's
 compile callbacks: a DYNAMO compile that starts while this graph is being called is ours, and so is a
 LAZY_BACKWARD compile with one of our compile ids.
 """
 
 from __future__ import annotations
 
+import copy
 import threading
 import weakref
 
@@ -16,7 +18,7 @@ from torch._dynamo.callback import CallbackArgs, CallbackTrigger, callback_handl
 
 from graphamp.runtime.progress import Progress
 
-__all__ = ["BACKWARD_PHASE", "FORWARD_PHASE", "CompiledGraph"]
+__all__ = ["BACKWARD_PHASE", "FORWARD_PHASE", "CompiledGraph", "casts_up_outside"]
 
 FORWARD_PHASE = "compiling the forward graph with inductor"
 BACKWARD_PHASE = "compiling the backward graph with inductor"
@@ -38,6 +40,7 @@ class CompiledGraph:
         mode: str | None = None,
     ):
         _install_callbacks()
+        graph_module, self.cast_up = casts_up_outside(graph_module)
         # A graph with symbolic sizes compiles once for all of them; a static one is specialized to its shapes.
         self.compiled = torch.compile(graph_module, dynamic=dynamic, mode=mode)
         self.progress = progress
@@ -47,9 +50,64 @@ class CompiledGraph:
         outer = getattr(_calling, "graph", None)
         _calling.graph = self
         try:
-            return self.compiled(*args)
+            outputs = self.compiled(*args)
         finally:
             _calling.graph = outer
+        if not self.cast_up:
+            return outputs
+        outputs = list(outputs)
+        for i, dtype in self.cast_up:
+            outputs[i] = outputs[i].to(dtype)
+        return outputs
+
+
+def casts_up_outside(graph_module: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list]:
+    """A copy of `graph_module` returning the low-precision values its outputs were cast up from, and
+    [(output index, dtype), ...] to cast them after the call; `graph_module` itself when it casts none up.
+
+    Inside one compiled graph, an FP32 output also read by the loss (HF's logits) costs a float32 buffer saved for
+    backward, and a float32 gradient of zeros that autograd makes for it when nothing uses it (the graph's outputs
+    are one autograd node): batch x sequence x vocabulary float32 tensors that torch.autocast never makes. Cast
+    outside, the loss still reads the in-graph cast (fused into its kernel), the graph saves the bfloat16 value,
+    and an unused output's cast is never differentiated.
+    """
+    output = graph_module.graph.output_node()
+    flat = output.args[0] if isinstance(output.args[0], (list, tuple)) else ()
+    up = {i: _cast_up_dtype(node) for i, node in enumerate(flat)}
+    up = {i: dtype for i, dtype in up.items() if dtype is not None}
+    if not up:
+        return graph_module, []
+    graph_module = copy.deepcopy(graph_module)
+    output = graph_module.graph.output_node()
+    flat = list(output.args[0])
+    casts = {flat[i] for i in up}
+    for i in up:
+        flat[i] = flat[i].args[0]
+    output.args = (type(output.args[0])(flat),)
+    for cast in casts:
+        if not cast.users:  # read by nothing else in the graph
+            graph_module.graph.erase_node(cast)
+    graph_module.graph.lint()
+    graph_module.recompile()
+    return graph_module, sorted(up.items())
+
+
+def _cast_up_dtype(node) -> torch.dtype | None:
+    """The dtype of a plain cast (`_to_copy`, `to.dtype`) to a wider floating dtype (bfloat16 -> float32), else None."""
+    if not isinstance(node, torch.fx.Node):
+        return None
+    if node.target is torch.ops.aten._to_copy.default and set(node.kwargs) == {"dtype"} and len(node.args) == 1:
+        dtype = node.kwargs["dtype"]
+    elif node.target is torch.ops.aten.to.dtype and not node.kwargs and len(node.args) == 2:
+        dtype = node.args[1]
+    else:
+        return None
+    value = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+    wider = (
+        isinstance(value, torch.Tensor) and value.dtype.is_floating_point and isinstance(dtype, torch.dtype)
+        and dtype.is_floating_point and dtype.itemsize > value.dtype.itemsize
+    )
+    return dtype if wider else None
 
 
 def _install_callbacks() -> None:
