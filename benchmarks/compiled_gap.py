@@ -31,6 +31,7 @@ def build(name: str):
     import bench_models
 
     bench_models.TRANSFORMER_SIZES["tiny"] = SIZES
+    bench_models.RESNET_SIZES["tiny"] = bench_models.RESNET_SIZES["cpu"]
     return bench_models.build(name, "tiny", "cpu")
 
 

@@ -73,8 +73,8 @@ def test_compiled_forward_and_backward_compiles_are_timed(gpt2_compiled_and_eage
 
 
 def test_compiled_gpt2_logits_come_back_fp32_from_a_cast_after_the_graph(gpt2_compiled_and_eager):
-    """The graph returns bfloat16 logits (so it saves them for the loss's backward in bfloat16, as autocast does)
-    and the cast up to float32 runs after it."""
+    """The graph returns bfloat16 logits (the loss saves them in bfloat16 for its backward, as under autocast) and
+    the cast up to float32 runs after it."""
     _, _, compiled, _ = gpt2_compiled_and_eager
     ids = models.token_batch(2, 16)
     with torch.no_grad():
@@ -82,6 +82,8 @@ def test_compiled_gpt2_logits_come_back_fp32_from_a_cast_after_the_graph(gpt2_co
     assert logits.dtype == torch.float32
     run = compiled.captures[-1].run
     assert run.cast_up and all(dtype == torch.float32 for _, dtype in run.cast_up)
+    # The loss reading them is a compiled graph of its own: their gradient is the loss's, never zeros beside it.
+    assert len(list(run.compiled.children())) == 2
 
 
 def test_compiled_gradients_through_an_output_cast_up_after_the_graph_match_eager():

@@ -10,15 +10,20 @@ LAZY_BACKWARD compile with one of our compile ids.
 from __future__ import annotations
 
 import copy
+import operator
 import threading
 import weakref
 
 import torch
 from torch._dynamo.callback import CallbackArgs, CallbackTrigger, callback_handler
+from torch._ops import OpOverload
+from torch.fx.passes.split_module import split_module
+
+from graphamp.lists import Decision
 
 from graphamp.runtime.progress import Progress
 
-__all__ = ["BACKWARD_PHASE", "FORWARD_PHASE", "CompiledGraph", "casts_up_outside"]
+__all__ = ["BACKWARD_PHASE", "FORWARD_PHASE", "CompiledGraph", "casts_up_outside", "loss_apart"]
 
 FORWARD_PHASE = "compiling the forward graph with inductor"
 BACKWARD_PHASE = "compiling the backward graph with inductor"
@@ -41,8 +46,14 @@ class CompiledGraph:
     ):
         _install_callbacks()
         graph_module, self.cast_up = casts_up_outside(graph_module)
+        pieces = loss_apart(graph_module, [i for i, _ in self.cast_up])
         # A graph with symbolic sizes compiles once for all of them; a static one is specialized to its shapes.
-        self.compiled = torch.compile(graph_module, dynamic=dynamic, mode=mode)
+        if pieces is None:
+            self.compiled = torch.compile(graph_module, dynamic=dynamic, mode=mode)
+        else:  # the split graph's own code only passes values between its two compiled pieces
+            for name, piece in list(pieces.named_children()):
+                setattr(pieces, name, torch.compile(piece, dynamic=dynamic, mode=mode))
+            self.compiled = pieces
         self.progress = progress
         self.timings = timings
 
@@ -90,6 +101,36 @@ def casts_up_outside(graph_module: torch.fx.GraphModule) -> tuple[torch.fx.Graph
     graph_module.graph.lint()
     graph_module.recompile()
     return graph_module, sorted(up.items())
+
+
+def loss_apart(graph_module: torch.fx.GraphModule, outputs: list[int]) -> torch.fx.GraphModule | None:
+    """`graph_module` as two graphs called in turn, the second being what reads these outputs' values (HF's loss
+    reading the logits), or None where nothing but the outputs reads them or more than a loss would move.
+
+    One compiled graph has one autograd node: an output nothing differentiates (the logits beside the loss) still
+    gets a gradient of zeros as big as itself, added into the loss's gradient in the backward. Apart, the values
+    are an input of the loss's graph, and their gradient is the loss's (torch.compile under autocast gets the same
+    cut from a graph break at HF's loss).
+    """
+    graph = graph_module.graph
+    output = graph.output_node()
+    values = {output.args[0][i] for i in outputs}
+    loss: set[torch.fx.Node] = set()
+    for node in graph.nodes:
+        if node.op == "call_function" and any(n in values or n in loss for n in node.all_input_nodes):
+            loss.add(node)
+    if not loss or not all(_movable_into_loss(node) for node in loss):
+        return None
+    return split_module(graph_module, graph_module, lambda node: int(node in loss), keep_original_order=True)
+
+
+def _movable_into_loss(node: torch.fx.Node) -> bool:
+    """An op the loss's graph can run: no matmul or convolution (the low-precision ops), no side effect."""
+    decision = (node.meta.get("graphamp") or {}).get("decision")
+    return (
+        (isinstance(node.target, OpOverload) or node.target is operator.getitem)
+        and decision != Decision.WHITE and not node.is_impure()
+    )
 
 
 def _cast_up_dtype(node) -> torch.dtype | None:
