@@ -46,7 +46,7 @@ class CompiledGraph:
     ):
         _install_callbacks()
         graph_module, self.cast_up = casts_up_outside(graph_module)
-        pieces = loss_apart(graph_module, [i for i, _ in self.cast_up])
+        pieces = loss_apart(graph_module)
         # A graph with symbolic sizes compiles once for all of them; a static one is specialized to its shapes.
         if pieces is None:
             self.compiled = torch.compile(graph_module, dynamic=dynamic, mode=mode)
@@ -103,9 +103,9 @@ def casts_up_outside(graph_module: torch.fx.GraphModule) -> tuple[torch.fx.Graph
     return graph_module, sorted(up.items())
 
 
-def loss_apart(graph_module: torch.fx.GraphModule, outputs: list[int]) -> torch.fx.GraphModule | None:
-    """`graph_module` as two graphs called in turn, the second being what reads these outputs' values (HF's loss
-    reading the logits), or None where nothing but the outputs reads them or more than a loss would move.
+def loss_apart(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule | None:
+    """`graph_module` as two graphs called in turn, the second being the loss that reads some outputs' values (HF's
+    loss reading the logits); None where no output is read by ops that could move (no matmul, no side effect).
 
     One compiled graph has one autograd node: an output nothing differentiates (the logits beside the loss) still
     gets a gradient of zeros as big as itself, added into the loss's gradient in the backward. Apart, the values
@@ -114,12 +114,16 @@ def loss_apart(graph_module: torch.fx.GraphModule, outputs: list[int]) -> torch.
     """
     graph = graph_module.graph
     output = graph.output_node()
-    values = {output.args[0][i] for i in outputs}
+    flat = output.args[0] if isinstance(output.args[0], (list, tuple)) else ()
     loss: set[torch.fx.Node] = set()
-    for node in graph.nodes:
-        if node.op == "call_function" and any(n in values or n in loss for n in node.all_input_nodes):
-            loss.add(node)
-    if not loss or not all(_movable_into_loss(node) for node in loss):
+    for value in {node for node in flat if isinstance(node, torch.fx.Node) and node.op == "call_function"}:
+        readers: set[torch.fx.Node] = set()
+        for node in graph.nodes:  # in order: what reads the value, and what reads those
+            if node.op == "call_function" and any(n is value or n in readers for n in node.all_input_nodes):
+                readers.add(node)
+        if readers and all(_movable_into_loss(node) for node in readers):
+            loss |= readers
+    if not loss:
         return None
     return split_module(graph_module, graph_module, lambda node: int(node in loss), keep_original_order=True)
 
