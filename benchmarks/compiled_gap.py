@@ -1,12 +1,12 @@
 """What inductor runs for one compiled train step: graphamp+compile next to autocast+compile, counted from its code.
 
     PYTHONPATH=. python benchmarks/compiled_gap.py --models gpt2,bert --out /tmp/gap     # code and a table
-    PYTHONPATH=. python benchmarks/compiled_gap.py --models gpt2 --no-weight-cache
+    PYTHONPATH=. python benchmarks/compiled_gap.py --models gpt2 --no-weight-cache --low-outputs
 
 Wall-clock time on a shared CPU is noise; the generated code is not. For a small GPT-2/BERT (2 layers, width 256,
 bfloat16, CPU) each mode's forward and backward are compiled in a child process of its own and its output code is
 counted: fused kernels, extern matmul calls (and whether an operand is a transposed view), buffers allocated and
-their bytes, the graph's inputs. The code itself is written to --out for reading side by side.
+their bytes (static sizes), the graph's inputs. The code itself is written to --out for reading side by side.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def build(name: str):
     return bench_models.build(name, "tiny", "cpu")
 
 
-def child(name: str, mode: str, weight_cache: bool, out: Path) -> dict:
+def child(name: str, mode: str, weight_cache: bool, out: Path, fp32_outputs: bool = True) -> dict:
     from torch._inductor.utils import run_and_get_code
 
     import graphamp
@@ -45,7 +45,7 @@ def child(name: str, mode: str, weight_cache: bool, out: Path) -> dict:
     if mode == "graphamp":
         lists = graphamp.AutoMixedPrecisionLists(dtype="bfloat16")
         net = graphamp.rewrite(model, example_kwargs=inputs, amp_lists=lists, compile=True, weight_cache=weight_cache,
-                               progress=False)
+                               fp32_outputs=fp32_outputs, progress=False)
         context = torch.autocast("cpu", enabled=False)
     else:
         net = torch.compile(model)
@@ -57,7 +57,9 @@ def child(name: str, mode: str, weight_cache: bool, out: Path) -> dict:
         loss.backward()
 
     _, codes = run_and_get_code(step)
-    tag = f"{name}-{mode}{'' if weight_cache or mode != 'graphamp' else '-nocache'}"
+    tag = f"{name}-{mode}"
+    if mode == "graphamp":
+        tag += ("" if weight_cache else "-nocache") + ("" if fp32_outputs else "-lowout")
     out.mkdir(parents=True, exist_ok=True)
     for i, code in enumerate(codes):
         (out / f"{tag}-{i}.py").write_text(code)
@@ -101,17 +103,18 @@ def main() -> None:
     parser.add_argument("--models", default="gpt2,bert")
     parser.add_argument("--out", type=Path, default=Path("/tmp/compiled_gap"))
     parser.add_argument("--no-weight-cache", action="store_true")
+    parser.add_argument("--low-outputs", action="store_true", help="rewrite(fp32_outputs=False)")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "MODE"))
     args = parser.parse_args()
     if args.child:
-        result = child(*args.child, not args.no_weight_cache, args.out)
+        result = child(*args.child, not args.no_weight_cache, args.out, not args.low_outputs)
         print(RESULT_PREFIX + json.dumps(result))
         return
     rows = []
     for name in args.models.split(","):
         for mode in ("autocast", "graphamp"):
             command = [sys.executable, __file__, "--child", name, mode, "--out", str(args.out)]
-            command += ["--no-weight-cache"] * args.no_weight_cache
+            command += ["--no-weight-cache"] * args.no_weight_cache + ["--low-outputs"] * args.low_outputs
             done = subprocess.run(command, capture_output=True, text=True)
             lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
             if not lines:
@@ -119,12 +122,13 @@ def main() -> None:
                 continue
             rows.append(json.loads(lines[0].removeprefix(RESULT_PREFIX)))
     print(f"torch {torch.__version__}; code in {args.out}")
+    print("Graphs in the order inductor compiled them: a forward's backward is compiled at the first backward.")
     print("| model | mode | graph | fused kernels | kernel calls | extern calls | transposed extern operands | "
           "other ATen/mkldnn calls | buffers | buffer MiB | inputs |")
     print("|---|---|---|---:|---:|---|---:|---|---:|---:|---:|")
     for row in rows:
         for i, g in enumerate(row["graphs"]):
-            print(f"| {row['model']} | {row['mode']} | {('forward', 'backward')[i] if i < 2 else i} | {g['kernels']} | "
+            print(f"| {row['model']} | {row['mode']} | {i + 1} | {g['kernels']} | "
                   f"{g['kernel_calls']} | {_text(g['externs'])} | {g['extern_transposed_operands']} | "
                   f"{_text(g['other_ops'])} | {g['allocations']} | {g['allocated_mib']} | {g['inputs']} |")
 
