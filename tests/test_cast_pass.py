@@ -178,20 +178,8 @@ def test_cast_of_an_inserted_cast_is_folded_into_it():
     assert exp.args[0].op == "placeholder"  # the FP32 master weight itself, not bf16 -> fp32
 
 
-class LossOfCastLogits(nn.Module):
-    """HF's shape: the loss reads `logits.float()`, forward returns `logits` (the same tensor in an FP32 trace)."""
-
-    def __init__(self):
-        super().__init__()
-        self.proj = nn.Linear(8, 6)
-
-    def forward(self, x, labels):
-        logits = self.proj(x)
-        return F.cross_entropy(logits.float(), labels), logits
-
-
 def test_without_fp32_outputs_a_value_the_model_also_casts_comes_back_in_its_own_dtype_as_under_autocast():
-    model, x, labels = LossOfCastLogits(), torch.randn(4, 8), torch.randint(0, 6, (4,))
+    model, x, labels = models.LossOfCastLogits(), torch.randn(4, 8), torch.randint(0, 6, (4,))
     with torch.autocast("cpu", torch.bfloat16):
         _, autocast_logits = model(x, labels)
 
@@ -202,7 +190,7 @@ def test_without_fp32_outputs_a_value_the_model_also_casts_comes_back_in_its_own
 
 
 def test_with_fp32_outputs_a_value_the_model_also_casts_is_cast_once():
-    model, x, labels = LossOfCastLogits(), torch.randn(4, 8), torch.randint(0, 6, (4,))
+    model, x, labels = models.LossOfCastLogits(), torch.randn(4, 8), torch.randint(0, 6, (4,))
     amp = rewrite_bf16(model, x, labels)
 
     up = [n for n in amp.graph_module.graph.nodes if n.target in (torch.ops.aten.to.dtype, CAST)

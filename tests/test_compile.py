@@ -87,17 +87,8 @@ def test_compiled_gpt2_logits_come_back_fp32_from_a_cast_after_the_graph(gpt2_co
 
 
 def test_compiled_gradients_through_an_output_cast_up_after_the_graph_match_eager():
-    class LossAndLogits(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.proj = nn.Linear(8, 6)
-
-        def forward(self, x, labels):
-            logits = self.proj(x)
-            return F.cross_entropy(logits, labels), logits
-
     torch.manual_seed(0)
-    model, x, labels = LossAndLogits(), torch.randn(4, 8), torch.randint(0, 6, (4,))
+    model, x, labels = models.LossOfCastLogits(), torch.randn(4, 8), torch.randint(0, 6, (4,))
     eager_model = copy.deepcopy(model)
     compiled = graphamp.rewrite(model, (x, labels), amp_lists=BF16, compile=True, progress=False)
     eager = graphamp.rewrite(eager_model, (x, labels), amp_lists=BF16)

@@ -82,14 +82,14 @@ def casts_up_outside(graph_module: torch.fx.GraphModule) -> tuple[torch.fx.Graph
     outside, the loss still reads the in-graph cast (fused into its kernel), the graph saves the bfloat16 value,
     and an unused output's cast is never differentiated.
     """
-    output = graph_module.graph.output_node()
+    output = _output_of(graph_module.graph)
     flat = output.args[0] if isinstance(output.args[0], (list, tuple)) else ()
     up = {i: _cast_up_dtype(node) for i, node in enumerate(flat)}
     up = {i: dtype for i, dtype in up.items() if dtype is not None}
     if not up:
         return graph_module, []
     graph_module = copy.deepcopy(graph_module)
-    output = graph_module.graph.output_node()
+    output = _output_of(graph_module.graph)
     flat = list(output.args[0])
     casts = {flat[i] for i in up}
     for i in up:
@@ -113,7 +113,7 @@ def loss_apart(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule | Non
     cut from a graph break at HF's loss).
     """
     graph = graph_module.graph
-    output = graph.output_node()
+    output = _output_of(graph)
     flat = output.args[0] if isinstance(output.args[0], (list, tuple)) else ()
     loss: set[torch.fx.Node] = set()
     for value in {node for node in flat if isinstance(node, torch.fx.Node) and node.op == "call_function"}:
@@ -185,3 +185,7 @@ def _on_compile_end(args: CallbackArgs) -> None:
     if running is not None:
         graph, what, phase = running
         graph.timings[what] = graph.timings.get(what, 0.0) + phase.end()
+
+
+def _output_of(graph: torch.fx.Graph) -> torch.fx.Node:
+    return next(iter(graph.find_nodes(op="output")))  # Graph.output_node() is marked not backward compatible
