@@ -119,7 +119,7 @@ def loss_apart(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule | Non
     for value in {node for node in flat if isinstance(node, torch.fx.Node) and node.op == "call_function"}:
         readers: set[torch.fx.Node] = set()
         for node in graph.nodes:  # in order: what reads the value, and what reads those
-            if node.op == "call_function" and any(n is value or n in readers for n in node.all_input_nodes):
+            if node.op != "output" and any(n is value or n in readers for n in node.all_input_nodes):
                 readers.add(node)
         if readers and all(_movable_into_loss(node) for node in readers):
             loss |= readers
@@ -129,10 +129,11 @@ def loss_apart(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule | Non
 
 
 def _movable_into_loss(node: torch.fx.Node) -> bool:
-    """An op the loss's graph can run: no matmul or convolution (the low-precision ops), no side effect."""
+    """An op the loss's graph can run: no matmul or convolution (the low-precision ops), no side effect, no
+    submodule (a checkpointed region)."""
     decision = (node.meta.get("graphamp") or {}).get("decision")
     return (
-        (isinstance(node.target, OpOverload) or node.target is operator.getitem)
+        node.op == "call_function" and (isinstance(node.target, OpOverload) or node.target is operator.getitem)
         and decision != Decision.WHITE and not node.is_impure()
     )
 
