@@ -1,10 +1,12 @@
 """A rewritten graph handed to torch.compile (inductor), its compiles reported and timed.
 
 Inductor compiles the forward graph on the first call (and again if a guard fails, say grad mode changes) and
-the backward graph lazily, on the first backward. The graph's casts of outputs up to float32 (fp32_outputs) run
-after it, outside (`casts_up_outside` says why). Both start inside torch, so they are seen through dynamo's
+the backward graph lazily, on the first backward. Both start inside torch, so they are seen through dynamo's
 compile callbacks: a DYNAMO compile that starts while this graph is being called is ours, and so is a
 LAZY_BACKWARD compile with one of our compile ids.
+
+What is compiled is the graph less its casts of outputs up to float32 (fp32_outputs), which run after it
+(`casts_up_outside`), and less the loss that reads outputs, compiled apart (`loss_apart`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from torch._ops import OpOverload
 from torch.fx.passes.split_module import split_module
 
 from graphamp.lists import Decision
-
 from graphamp.runtime.progress import Progress
 
 __all__ = ["BACKWARD_PHASE", "FORWARD_PHASE", "CompiledGraph", "casts_up_outside", "loss_apart"]
