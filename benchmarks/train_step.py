@@ -67,7 +67,7 @@ def measure(model_name: str, mode: str, dtype_name: str, device: str, steps: int
         started = time.perf_counter()
         net = graphamp.rewrite(
             model, example_kwargs=batches[0][0], amp_lists=lists, compile=compiled,
-            weight_cache=options.get("weight_cache", False),
+            weight_cache=options.get("weight_cache", False), fp32_outputs=options.get("fp32_outputs", True),
             compile_mode=options.get("compile_mode") if compiled else None,
         )
         result["rewrite_s"] = time.perf_counter() - started
@@ -177,6 +177,7 @@ def run_child(args, model_name: str, mode: str, dtype_name: str) -> dict:
         "--micro-batches", str(args.micro_batches),
     ]
     command += ["--fused"] * args.fused + ["--weight-cache"] * args.weight_cache + ["--profile"] * args.profile
+    command += ["--low-outputs"] * args.low_outputs
     command += ["--compile-mode", args.compile_mode] if args.compile_mode else []
     command += ["--trace-dir", str(args.trace_dir)] if args.trace_dir else []
     print(f"  {model_name:9s} {mode:17s} {dtype_name} ...", file=sys.stderr, flush=True)
@@ -252,6 +253,7 @@ def _options_line(args) -> str:
     said = [f"{args.micro_batches} micro-batches per step" if args.micro_batches > 1 else ""]
     said += ["fused AdamW" if args.fused else "", "graphamp with its weight cache" if args.weight_cache else ""]
     said += [f"compile mode {args.compile_mode}" if args.compile_mode else ""]
+    said += ["graphamp with fp32_outputs=False (outputs in the model's dtypes, as under autocast)" if args.low_outputs else ""]
     said = [s for s in said if s]
     return f"Options: {', '.join(said)}. " if said else ""
 
@@ -287,6 +289,10 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=1, help="backwards accumulated per optimizer step")
     parser.add_argument("--fused", action="store_true", help="AdamW(fused=True): found_inf stays on the device")
     parser.add_argument("--weight-cache", action="store_true", help="graphamp keeps its weight casts between forwards")
+    parser.add_argument(
+        "--low-outputs", action="store_true",
+        help="rewrite(fp32_outputs=False): logits come back bfloat16/float16 as under autocast, not cast up to float32",
+    )
     parser.add_argument("--compile-mode", help='torch.compile mode of the +compile modes, e.g. "reduce-overhead"')
     parser.add_argument("--profile", action="store_true", help="also a table of where the time goes (torch.profiler)")
     parser.add_argument("--trace-dir", type=Path, help="with --profile: a Chrome trace per (model, mode, dtype) here")
@@ -297,6 +303,7 @@ def main() -> None:
         options = {
             "micro_batches": args.micro_batches, "fused": args.fused, "weight_cache": args.weight_cache,
             "compile_mode": args.compile_mode, "profile": args.profile, "trace_dir": args.trace_dir,
+            "fp32_outputs": not args.low_outputs,
         }
         if args.trace_dir:
             args.trace_dir.mkdir(parents=True, exist_ok=True)

@@ -127,6 +127,8 @@ class _CastPass:
             if node.op == "output":
                 if restore_outputs:
                     self._restore_traced_dtypes(node)
+                else:
+                    self._return_values_not_their_traced_aliases(node)
             elif node.op == "call_function":
                 if node.target in TRACE_ASSERTS:
                     self.graph.erase_node(node)
@@ -274,6 +276,22 @@ class _CastPass:
                 replace[value] = self._cast(value, self.traced_dtype[value], node)
         if replace:
             node.args, node.kwargs = map_arg((node.args, node.kwargs), lambda n: replace.get(n, n))
+
+    def _return_values_not_their_traced_aliases(self, output: Node) -> None:
+        """An output that is a `.to(dtype)` which changed nothing in the FP32 trace was the value itself there
+        (`x.float() is x`): without fp32_outputs, return the value in its own dtype, as autocast does (HF's loss
+        reads `logits.float()` and the model returns `logits`)."""
+
+        def value_of(node):
+            while (
+                isinstance(node, Node) and node.target is torch.ops.aten.to.dtype and len(node.args) == 2
+                and not node.kwargs and isinstance(node.args[0], Node)
+                and self.traced_dtype.get(node) == self.traced_dtype.get(node.args[0])
+            ):
+                node = node.args[0]
+            return node
+
+        output.args = map_arg(output.args, value_of)
 
     def _restore_traced_dtypes(self, output: Node) -> None:
         replace = {

@@ -288,3 +288,15 @@ class TwoLayer(nn.Module):
     def forward(self, x):
         hidden = self.fc1(x)
         return self.fc2(torch.relu(hidden) if self.use_relu else hidden)
+
+
+class LossOfCastLogits(nn.Module):
+    """HF's shape: the loss reads `logits.float()`, forward returns `logits` (the same tensor in an FP32 trace)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 6)
+
+    def forward(self, x, labels):
+        logits = self.proj(x)
+        return F.cross_entropy(logits.float(), labels), logits

@@ -178,6 +178,27 @@ def test_cast_of_an_inserted_cast_is_folded_into_it():
     assert exp.args[0].op == "placeholder"  # the FP32 master weight itself, not bf16 -> fp32
 
 
+def test_without_fp32_outputs_a_value_the_model_also_casts_comes_back_in_its_own_dtype_as_under_autocast():
+    model, x, labels = models.LossOfCastLogits(), torch.randn(4, 8), torch.randint(0, 6, (4,))
+    with torch.autocast("cpu", torch.bfloat16):
+        _, autocast_logits = model(x, labels)
+
+    loss, logits = rewrite_bf16(model, x, labels, fp32_outputs=False)(x, labels)
+
+    assert logits.dtype == autocast_logits.dtype == torch.bfloat16
+    assert loss.dtype == torch.float32
+
+
+def test_with_fp32_outputs_a_value_the_model_also_casts_is_cast_once():
+    model, x, labels = models.LossOfCastLogits(), torch.randn(4, 8), torch.randint(0, 6, (4,))
+    amp = rewrite_bf16(model, x, labels)
+
+    up = [n for n in amp.graph_module.graph.nodes if n.target in (torch.ops.aten.to.dtype, CAST)
+          and n.meta["val"].dtype == torch.float32 and n.meta["val"].shape == (4, 6)]
+    assert len(up) == 1
+    assert amp(x, labels)[1].dtype == torch.float32
+
+
 def test_a_value_and_its_reshapes_share_one_cast():
     """Logits come back FP32 (fp32_outputs) and the loss reads them flattened in FP32: one copy serves both."""
 

@@ -72,6 +72,35 @@ def test_compiled_forward_and_backward_compiles_are_timed(gpt2_compiled_and_eage
     assert all(seconds > 0 for seconds in compiled.timings.values())
 
 
+def test_compiled_gpt2_logits_come_back_fp32_from_a_cast_after_the_graph(gpt2_compiled_and_eager):
+    """The graph returns bfloat16 logits (the loss saves them in bfloat16 for its backward, as under autocast) and
+    the cast up to float32 runs after it."""
+    _, _, compiled, _ = gpt2_compiled_and_eager
+    ids = models.token_batch(2, 16)
+    with torch.no_grad():
+        logits = compiled(input_ids=ids, labels=ids).logits
+    assert logits.dtype == torch.float32
+    run = compiled.captures[-1].run
+    assert run.cast_up and all(dtype == torch.float32 for _, dtype in run.cast_up)
+    # The loss reading them is a compiled graph of its own: their gradient is the loss's, never zeros beside it.
+    assert len(list(run.compiled.children())) == 2
+
+
+def test_compiled_gradients_through_an_output_cast_up_after_the_graph_match_eager():
+    torch.manual_seed(0)
+    model, x, labels = models.LossOfCastLogits(), torch.randn(4, 8), torch.randint(0, 6, (4,))
+    eager_model = copy.deepcopy(model)
+    compiled = graphamp.rewrite(model, (x, labels), amp_lists=BF16, compile=True, progress=False)
+    eager = graphamp.rewrite(eager_model, (x, labels), amp_lists=BF16)
+    for amp in (compiled, eager):
+        loss, logits = amp(x, labels)
+        assert logits.dtype == torch.float32
+        (loss + logits.square().mean()).backward()  # the logits' own gradient too, not only the loss's
+    assert compiled.captures[-1].run.cast_up
+    for name, parameter in model.named_parameters():
+        assert relative_error(parameter.grad, dict(eager_model.named_parameters())[name].grad) < 1e-2, name
+
+
 def test_compiled_backward_keeps_black_modules_and_black_ops_in_fp32():
     """pytorch#179804: autocast's FP32 regions can come back low in a compiled backward; graphamp's cannot."""
     post_grad_graphs = []

@@ -280,3 +280,34 @@ def test_a_batch_of_one_that_broadcasts_against_another_input_matches_eager(bf16
 
     assert out.shape == model(x, y).shape == (3, 8)
     assert relative_error(out, model(x, y)) < BF16_RTOL
+
+
+# -- the per-call checks -----------------------------------------------------------------------------------------
+
+def test_signature_of_a_call_of_tensors_and_scalars_equals_pytree_s_flattening():
+    """The spec and leaf names reused across calls of one shape are those pytree gives each call."""
+    import torch.utils._pytree as pytree
+
+    from graphamp.runtime.shapes import _leaf_name, signature_of
+
+    x, mask = torch.randn(2, 3), torch.ones(2, 3)
+    for args, kwargs in [((x, 3), {"mask": mask, "mode": "a"}), ((x, 3), {"mask": mask, "mode": "b"}),
+                         ((), {"mode": "a", "mask": mask}), (([x, x],), {"mask": None})]:
+        for _ in range(2):  # the second call of a shape takes the kept spec
+            signature, flat = signature_of(True, None, args, kwargs)
+            leaves_with_path, spec = pytree.tree_flatten_with_path((args, kwargs))
+            assert signature.spec == spec
+            assert [name for name, _ in signature.leaves] == [_leaf_name(path) for path, _ in leaves_with_path]
+            assert all(a is b for a, b in zip(flat, (leaf for _, leaf in leaves_with_path), strict=True))
+
+
+def test_dynamic_capture_guard_admits_and_refuses_the_sizes_its_expression_does(bf16):
+    amp = graphamp.rewrite(gpt2(), (), {"input_ids": token_batch(2, 8)}, amp_lists=bf16)
+    amp(input_ids=token_batch(3, 9))  # the dynamic capture
+    (guard,) = [key[1] for key in amp._captures if isinstance(key, tuple)]
+
+    for batch, length in [(2, 8), (4, 13), (1, 9), (3, 1)]:
+        inputs = [token_batch(batch, length)]
+        expected = guard.shape_env.evaluate_guards_expression(guard.expression, inputs)
+        assert guard.fits(inputs) == expected
+    assert guard.fits([token_batch(4, 13)]) and not guard.fits([token_batch(1, 9)])

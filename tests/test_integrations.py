@@ -78,6 +78,22 @@ def test_trainer_trains_evaluates_and_saves_a_checkpoint_from_pretrained_loads(t
         assert torch.equal(a, b), name
 
 
+def test_trainer_first_step_reuses_the_capture_of_an_example_with_num_items_in_batch(tmp_path, bf16):
+    """The Trainer passes `num_items_in_batch` (a float32 scalar tensor) to a model whose forward takes **kwargs:
+    with it in the example, rewrite()'s capture serves the training steps instead of a second one."""
+    ids = token_batch(batch=2, seq=SEQ)
+    example = dict(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(float(ids.numel())))
+    amp_model = graphamp.rewrite(llama(), (), example, amp_lists=bf16, progress=False)
+    trainer = transformers.Trainer(
+        model=amp_model, args=trainer_arguments(tmp_path, max_steps=2, save_strategy="no"),
+        train_dataset=TokenDataset(), optimizers=(torch.optim.AdamW(amp_model.parameters(), lr=1e-3), None),
+    )
+
+    trainer.train()
+
+    assert len([c for c in amp_model.captures if c.training]) == 1
+
+
 def test_trainer_logs_the_true_gradient_norm_in_float16(tmp_path, fp16):
     model = llama()
     eager = copy.deepcopy(model)

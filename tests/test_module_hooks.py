@@ -219,3 +219,22 @@ def test_a_hooked_model_trains_with_loss_scaling_in_the_graph_as_an_unhooked_one
         optimizer.step()
         assert (amp._regions is not None) == hooked
     assert all(relative_error(a, b) < 1e-3 for a, b in zip(*grads))
+
+
+def test_model_fingerprint_changes_with_every_hook_added_removed_or_prepended():
+    """The per-call check is cheap for modules with no hook, and still sees each hook edit, prepended ones included."""
+    from graphamp.runtime.fingerprint import module_fingerprint
+
+    model = TwoLayer()
+    bare = module_fingerprint(model)
+    first = model.fc1.register_forward_hook(lambda module, args, output: output)
+    with_one = module_fingerprint(model)
+    assert with_one != bare
+    second = model.fc1.register_forward_hook(lambda module, args, output: output)
+    first.remove()
+    assert module_fingerprint(model) not in (bare, with_one)  # as many hooks as before, not the same one
+    before_prepend = module_fingerprint(model)
+    model.fc1.register_forward_pre_hook(lambda module, args: None, prepend=True)
+    assert module_fingerprint(model) != before_prepend
+    second.remove()
+    assert module_fingerprint(model) not in (bare, before_prepend)

@@ -50,29 +50,43 @@ def module_fingerprint(model: nn.Module, parameter_identity: bool = True) -> tup
             which swaps its sharded and unsharded parameter objects around every forward by design.
     """
     parts: list = [_global_hook_keys()]
+    append = parts.append  # the walk runs on every call: locals, and no loop over an empty table
     root_training = model.training
     stack = [model]
+    pop, extend = stack.pop, stack.extend
     while stack:  # model.modules() builds a memo set and names: several times slower on a 12-layer model
-        module = stack.pop()
+        module = pop()
         if module is None:  # a child slot set to None
             continue
-        stack.extend(module._modules.values())
+        extend(module._modules.values())
         # Hook dicts are keyed by a handle id that is never reused: their keys change on every add or remove.
-        parts.append((
-            # Against the root's mode: train()/eval() of the whole tree is the capture key's, not an edit.
-            id(module), module.training is root_training,
-            tuple(module._forward_pre_hooks), tuple(module._forward_hooks),
-            tuple(module._backward_pre_hooks), tuple(module._backward_hooks),
-        ))
-        for tensor in module._parameters.values():
-            if tensor is not None and not isinstance(tensor, nn.Parameter):
-                return None  # torch.func.functional_call's tensors, for this call only: the graph reads them as given
-            # A device move is in the capture key already; a wrong shape fails loudly in the graph.
-            identity = id(tensor) if parameter_identity else None
-            parts.append(None if tensor is None else (identity, tensor.requires_grad, tensor.dtype))
-        for tensor in module._buffers.values():
-            parts.append(None if tensor is None else (id(tensor), tensor.requires_grad, tensor.dtype))
+        # Against the root's mode: train()/eval() of the whole tree is the capture key's, not an edit.
+        same_mode = module.training is root_training
+        forward_pre, forward, backward_pre, backward = (
+            module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks, module._backward_hooks
+        )
+        if forward_pre or forward or backward_pre or backward:
+            append((id(module), same_mode, tuple(forward_pre), tuple(forward), tuple(backward_pre), tuple(backward)))
+        else:  # most modules have no hook: a shorter entry, never equal to one with hooks
+            append((id(module), same_mode))
+        parameters = module._parameters
+        if parameters:
+            for tensor in parameters.values():
+                if tensor is None:
+                    append(None)
+                    continue
+                if type(tensor) is not _Parameter and not isinstance(tensor, _Parameter):
+                    return None  # torch.func.functional_call's tensors, for this call only: the graph reads them as given
+                # A device move is in the capture key already; a wrong shape fails loudly in the graph.
+                append((id(tensor) if parameter_identity else None, tensor.requires_grad, tensor.dtype))
+        buffers = module._buffers
+        if buffers:
+            for tensor in buffers.values():
+                append(None if tensor is None else (id(tensor), tensor.requires_grad, tensor.dtype))
     return tuple(parts)
+
+
+_Parameter = nn.Parameter
 
 
 def _global_hook_keys() -> tuple:

@@ -10,6 +10,7 @@ signature without sizes; the shape environment's own guards say whether it fits 
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Hashable
 from dataclasses import dataclass, replace
 
@@ -57,9 +58,7 @@ class InputSignature:
 
 def signature_of(training: bool, device, args: tuple, kwargs: dict) -> tuple[InputSignature, list]:
     """The call's signature and its flat inputs (the graph's user placeholders, in order)."""
-    leaves_with_path, spec = pytree.tree_flatten_with_path((args, kwargs))
-    names = tuple(_leaf_name(path) for path, _ in leaves_with_path)
-    flat = [leaf for _, leaf in leaves_with_path]
+    flat, spec, names = _flatten(args, kwargs)
     signature = InputSignature(
         training=training,
         device=device,
@@ -70,12 +69,52 @@ def signature_of(training: bool, device, args: tuple, kwargs: dict) -> tuple[Inp
     return signature, flat
 
 
+# (type and number of positional arguments, keyword names) -> (spec, leaf names), for calls whose every argument is a leaf.
+_flat_calls: dict[tuple, tuple[pytree.TreeSpec, tuple[str, ...]]] = {}
+
+
+def _flatten(args: tuple, kwargs: dict) -> tuple[list, pytree.TreeSpec, tuple[str, ...]]:
+    """pytree's flattening of (args, kwargs) with each leaf's name; a call of tensors and scalars only (the
+    usual one) reuses the spec and names of its shape of call: pytree's walk cost more than the rest of a call."""
+    flat = [*args, *kwargs.values()]
+    if all(_is_leaf(x) for x in flat):
+        key = (type(args), len(args), tuple(kwargs))
+        known = _flat_calls.get(key)
+        if known is not None:
+            return flat, *known
+    else:
+        key = None
+    leaves_with_path, spec = pytree.tree_flatten_with_path((args, kwargs))
+    names = tuple(_leaf_name(path) for path, _ in leaves_with_path)
+    if key is not None and len(_flat_calls) < 256:
+        _flat_calls[key] = (spec, names)
+    return [leaf for _, leaf in leaves_with_path], spec, names
+
+
+def _is_leaf(value) -> bool:
+    """A value pytree never flattens: a tensor (unless its type is a registered node) or a plain scalar."""
+    kind = type(value)
+    return kind in (int, float, bool, str) or (isinstance(value, torch.Tensor) and kind not in pytree.SUPPORTED_NODES)
+
+
+# forward's function -> its parameters (inspect.signature costs more than the rest of a call).
+_forward_parameters = weakref.WeakKeyDictionary()
+
+
 def without_defaults(model: nn.Module, kwargs: dict) -> dict:
     """kwargs without those passed at forward()'s own default value: they cannot change the graph."""
-    try:
-        parameters = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
+    if not kwargs:
         return kwargs
+    forward = model.forward
+    function = getattr(forward, "__func__", forward)  # a bound method's signature is its function's, less self
+    parameters = _forward_parameters.get(function) if _weakly_keyable(function) else None
+    if parameters is None:
+        try:
+            parameters = inspect.signature(forward).parameters
+        except (TypeError, ValueError):
+            return kwargs
+        if _weakly_keyable(function):
+            _forward_parameters[function] = parameters
 
     def is_default(name, value) -> bool:
         default = parameters[name].default if name in parameters else inspect.Parameter.empty
@@ -84,6 +123,14 @@ def without_defaults(model: nn.Module, kwargs: dict) -> dict:
         return value is default or (type(value) is type(default) and isinstance(value, (bool, int, str)) and value == default)
 
     return {name: value for name, value in kwargs.items() if not is_default(name, value)}
+
+
+def _weakly_keyable(function) -> bool:
+    try:
+        weakref.ref(function)
+    except TypeError:
+        return False
+    return True
 
 
 class InputGuard:
@@ -96,11 +143,13 @@ class InputGuard:
         self.shape_env = detect_fake_mode(fake_inputs).shape_env
         # Static dims included: the cache key of a dynamic capture carries no sizes.
         self.expression = self.shape_env.produce_guards_expression(fake_inputs, ignore_static=False)
+        # Compiled once: evaluate_guards_expression evals what it is given, and compiling the text was most of a call.
+        self._code = compile(self.expression, "<graphamp input guard>", "eval") if self.expression else None
 
     def fits(self, flat_inputs: list) -> bool:
-        if not self.expression:
+        if self._code is None:
             return True
-        return self.shape_env.evaluate_guards_expression(self.expression, [flat_inputs[i] for i in self.tensor_positions])
+        return self.shape_env.evaluate_guards_expression(self._code, [flat_inputs[i] for i in self.tensor_positions])
 
 
 def user_placeholders(graph_module: torch.fx.GraphModule, lifted_count: int) -> list[torch.fx.Node]:
