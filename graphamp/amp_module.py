@@ -101,6 +101,7 @@ class AmpModule(nn.Module):
         self._watch = DeathWatch()  # a module or tensor the captures read has died: its id() may come back
         # torch.export swaps fake tensors into the model while it captures: no other thread may run it then.
         self._lock = threading.RLock()
+        self._calls_run = 0  # graph runs, so that a patched forward that bypasses them is noticed
         self._sync_regions()
 
     @property
@@ -152,9 +153,9 @@ class AmpModule(nn.Module):
             return super().__call__(*args, **kwargs)
         # A forward set on the instance (a trainer's patch) that never reaches graphamp runs the original's FP32
         # modules through attribute fall-through: training goes on, silently without mixed precision.
-        runs = self.__dict__.get("_calls_run", 0)
+        runs = self._calls_run
         result = super().__call__(*args, **kwargs)
-        if self.__dict__.get("_calls_run", 0) == runs and self.__dict__.get("_warned_forward") is not replaced:
+        if self._calls_run == runs and self.__dict__.get("_warned_forward") is not replaced:
             self.__dict__["_warned_forward"] = replaced
             warnings.warn(
                 f"the AmpModule's forward was replaced by {getattr(replaced, '__qualname__', replaced)!r}, which "
@@ -174,7 +175,7 @@ class AmpModule(nn.Module):
 
     def _run_locked(self, args: tuple, kwargs: dict, dynamic: bool | None):
         check_no_autocast(device_of(self._original))
-        self.__dict__["_calls_run"] = self.__dict__.get("_calls_run", 0) + 1
+        self._calls_run += 1
         captured, flat_inputs = self._captured_for(args, kwargs, dynamic)
         scale = self._loss_scaling_for_this_call()
         if self._regions is not None:
@@ -342,7 +343,7 @@ class AmpModule(nn.Module):
         They drop the link too: the linked optimizer holds the original's parameters, not the copy's."""
         state = dict(super().__getstate__())
         state.update(_captures=OrderedDict(), _last=None, _fingerprint=None, _sizes_captured={}, _linked_optimizer=None)
-        state.update(_regions=None, _watch=None, _lock=None)  # made anew for the copy's own modules
+        state.update(_regions=None, _watch=None, _lock=None, _warned_forward=None)  # made anew for the copy
         return state
 
     def __setstate__(self, state: dict) -> None:

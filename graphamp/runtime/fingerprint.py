@@ -32,11 +32,11 @@ class DeathWatch:
             if watch() is not None:
                 watch().changed = True
 
-        objects = [m for m in model.modules()]
-        objects += [t for m in objects for t in m._buffers.values() if t is not None]
+        modules = list(model.modules())
+        tensors = [t for m in modules for t in m._buffers.values() if t is not None]
         if parameters:
-            objects += [t for m in objects if isinstance(m, nn.Module) for t in m._parameters.values() if t is not None]
-        self._refs = [weakref.ref(o, died) for o in objects]
+            tensors += [t for m in modules for t in m._parameters.values() if t is not None]
+        self._refs = [weakref.ref(o, died) for o in [*modules, *tensors]]
         self.changed = False
 
 
