@@ -238,3 +238,33 @@ def test_model_fingerprint_changes_with_every_hook_added_removed_or_prepended():
     assert module_fingerprint(model) != before_prepend
     second.remove()
     assert module_fingerprint(model) not in (bare, before_prepend)
+
+
+def test_hooks_on_a_llamas_attention_and_mlp_run_on_every_call_with_eagers_values(bf16):
+    from models import llama
+
+    torch.manual_seed(0)
+    model, ids = llama(), token_batch()
+    seen = []
+    for layer in model.model.layers:
+        for module in (layer.self_attn, layer.mlp):
+            module.register_forward_hook(lambda m, a, out: seen.append((out[0] if isinstance(out, tuple) else out).float().abs().mean().item()))
+    amp = graphamp.rewrite(model, (), {"input_ids": ids, "labels": ids}, amp_lists=bf16)
+    seen.clear()
+    loss = amp(input_ids=ids, labels=ids).loss
+    got = list(seen)
+    seen.clear()
+    with torch.autocast("cpu", torch.bfloat16):
+        expected_loss = model(input_ids=ids, labels=ids).loss
+    assert len(got) == len(seen) == 4
+    assert all(abs(a - b) <= 2e-2 * abs(b) for a, b in zip(got, seen))
+    assert relative_error(loss, expected_loss) < 2e-2
+
+
+def test_a_hooked_block_that_takes_a_cache_object_raises_capture_error_with_the_fix(bf16):
+    from models import llama
+
+    model, ids = llama(), token_batch()
+    model.model.layers[0].register_forward_hook(lambda m, a, out: None)
+    with pytest.raises(graphamp.CaptureError, match="use_cache=False"):
+        graphamp.rewrite(model, (), {"input_ids": ids, "labels": ids, "use_cache": True}, amp_lists=bf16)

@@ -291,6 +291,13 @@ class Regions:
             signature = captured.module_calls.get(path)
             if signature is None:
                 continue  # the model does not call this block on this input signature
+            if signature.in_spec.num_leaves != len(signature.inputs):
+                raise CaptureError(
+                    f"'{path}' must be called as a module (named in regions=, hooked or sharded), but one of its "
+                    f"arguments is an object torch.export does not record leaf by leaf (a transformers cache, say), "
+                    f"so graphamp cannot call it with that argument. Fix: do not pass it (for a transformers model, "
+                    f"use_cache=False: training needs no cache), or move the hook to a module that does not take it."
+                )
             if any(f.startswith(path + "@") for f in captured.module_calls):
                 raise CaptureError(
                     f"region '{path}' is called more than once per forward, which regional rewrite cannot cut. "
