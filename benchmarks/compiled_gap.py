@@ -1,7 +1,7 @@
 """What inductor runs for one compiled train step: graphamp+compile next to autocast+compile, counted from its code.
 
     PYTHONPATH=. python benchmarks/compiled_gap.py --models gpt2,bert --out /tmp/gap     # code and a table
-    PYTHONPATH=. python benchmarks/compiled_gap.py --models gpt2 --no-weight-cache --low-outputs
+    PYTHONPATH=. python benchmarks/compiled_gap.py --models gpt2 --low-outputs
 
 Wall-clock time on a shared CPU is noise; the generated code is not. For a small GPT-2/BERT (2 layers, width 256,
 bfloat16, CPU) each mode's forward and backward are compiled in a child process of its own and its output code is
@@ -102,19 +102,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="gpt2,bert")
     parser.add_argument("--out", type=Path, default=Path("/tmp/compiled_gap"))
-    parser.add_argument("--no-weight-cache", action="store_true")
+    parser.add_argument("--weight-cache", action="store_true", help="rewrite(weight_cache=True); off by default")
     parser.add_argument("--low-outputs", action="store_true", help="rewrite(fp32_outputs=False)")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "MODE"))
     args = parser.parse_args()
     if args.child:
-        result = child(*args.child, not args.no_weight_cache, args.out, not args.low_outputs)
+        result = child(*args.child, args.weight_cache, args.out, not args.low_outputs)
         print(RESULT_PREFIX + json.dumps(result))
         return
     rows = []
     for name in args.models.split(","):
         for mode in ("autocast", "graphamp"):
             command = [sys.executable, __file__, "--child", name, mode, "--out", str(args.out)]
-            command += ["--no-weight-cache"] * args.no_weight_cache + ["--low-outputs"] * args.low_outputs
+            command += ["--weight-cache"] * args.weight_cache + ["--low-outputs"] * args.low_outputs
             done = subprocess.run(command, capture_output=True, text=True)
             lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
             if not lines:
