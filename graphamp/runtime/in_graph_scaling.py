@@ -22,7 +22,7 @@ from graphamp.errors import LossScalingError
 
 __all__ = [
     "amp_modules_of", "link", "register_parameters", "relink", "run_scaled", "scale_gradients", "scaling_factors",
-    "times", "unscale_gradients",
+    "times", "times_present", "unscale_gradients",
 ]
 
 # parameter -> weakref to the AmpModule it belongs to (weak both ways: an AmpModule holds its parameters).
@@ -42,6 +42,15 @@ def times(factor: torch.Tensor, grads: list[torch.Tensor]) -> list[torch.Tensor]
     if torch.is_grad_enabled():
         return list(_Times.apply(factor, *grads))
     return torch._foreach_mul(grads, factor)
+
+
+def times_present(factor: torch.Tensor, grads) -> list:
+    """`grads` times `factor` as `times` does, in one kernel; None where a gradient is None (an unused input)."""
+    present = [i for i, g in enumerate(grads) if g is not None]
+    result = [None] * len(grads)
+    for i, grad in zip(present, times(factor, [grads[i] for i in present]) if present else []):
+        result[i] = grad
+    return result
 
 
 class _Times(torch.autograd.Function):
@@ -69,12 +78,7 @@ class _ScaleGradients(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         (factor,) = ctx.saved_tensors
-        present = [i for i, g in enumerate(grads) if g is not None]
-        scaled = times(factor, [grads[i] for i in present]) if present else []
-        result = [None] * len(grads)
-        for i, g in zip(present, scaled):
-            result[i] = g
-        return (None, *result)
+        return (None, *times_present(factor, grads))
 
 
 class _UnscaleGradients(_ScaleGradients):

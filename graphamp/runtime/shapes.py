@@ -107,13 +107,14 @@ def without_defaults(model: nn.Module, kwargs: dict) -> dict:
         return kwargs
     forward = model.forward
     function = getattr(forward, "__func__", forward)  # a bound method's signature is its function's, less self
-    parameters = _forward_parameters.get(function) if _weakly_keyable(function) else None
+    keyable = _weakly_keyable(function)
+    parameters = _forward_parameters.get(function) if keyable else None
     if parameters is None:
         try:
             parameters = inspect.signature(forward).parameters
         except (TypeError, ValueError):
             return kwargs
-        if _weakly_keyable(function):
+        if keyable:
             _forward_parameters[function] = parameters
 
     def is_default(name, value) -> bool:

@@ -34,7 +34,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from graphamp.aten_ops import written_inputs
 from graphamp.dtypes import HALF_DTYPES
-from graphamp.runtime.in_graph_scaling import times
+from graphamp.runtime.in_graph_scaling import times_present
 
 __all__ = ["WeightCache", "feed_weight_casts"]
 
@@ -101,13 +101,9 @@ class _CastGradientsUp(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         (factor,) = ctx.saved_tensors
-        present = [i for i, g in enumerate(grads) if g is not None]
         # float32 whatever the master weight's dtype (FP32, or float64): autograd casts to it on the way in.
-        up = times(factor, [grads[i].float() for i in present]) if present else []
-        result = [None] * len(grads)
-        for i, grad in zip(present, up):
-            result[i] = grad
-        return (None, None, None, *result)
+        up = times_present(factor, [None if g is None else g.float() for g in grads])
+        return (None, None, None, *up)
 
 
 @dataclass
