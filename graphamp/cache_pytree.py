@@ -17,8 +17,10 @@ __all__ = ["register_cache_pytree", "register_cache_pytree_for"]
 def register_cache_pytree_for(model) -> None:
     """For a transformers model, DynamicCache as a pytree node before its first capture: a forward that returns
     its cache (use_cache=True, the default of decoder configs) captures, and the cache comes back from the graph."""
-    transformers = sys.modules.get("transformers")
-    if transformers is not None and isinstance(model, transformers.PreTrainedModel):
+    # The loaded module, never the package's lazy attribute: that would import transformers' modeling stack
+    # (accelerate, scipy, boto3: about 80 MiB resident) for a model that is not one of its own.
+    modeling_utils = sys.modules.get("transformers.modeling_utils")
+    if modeling_utils is not None and isinstance(model, modeling_utils.PreTrainedModel):
         register_cache_pytree()
 
 

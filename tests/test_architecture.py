@@ -4,6 +4,8 @@ import ast
 import importlib
 import importlib.metadata
 import pkgutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -140,3 +142,18 @@ def test_export_of_an_older_capture_asks_for_inputs_and_takes_them(bf16, tmp_pat
     out = graphamp.export(amp_model, tmp_path / "b", example_args=(torch.randn(4, 8),))
     page = (out / "report.html").read_text()
     assert "torch.autocast on the original model</td><td class=n>" in page and "not measured" not in page
+
+
+def test_capturing_a_plain_module_loads_none_of_transformers_modeling_stack():
+    """A model that is not transformers' must not import its modeling code (accelerate, scipy, boto3: ~80 MiB
+    resident for the rest of the process) just to be asked whether it is a PreTrainedModel."""
+    check = (
+        "import sys, torch, transformers, graphamp\n"
+        "net = graphamp.rewrite(torch.nn.Sequential(torch.nn.Linear(4, 4)), example_args=(torch.randn(2, 4),),"
+        " amp_lists=graphamp.AutoMixedPrecisionLists(dtype='bfloat16'))\n"
+        "net(torch.randn(2, 4))\n"
+        "print(sorted(m for m in ('transformers.modeling_utils', 'accelerate', 'scipy') if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"
