@@ -23,6 +23,7 @@ from torch.fx.passes.split_module import split_module
 
 from graphamp.lists import Decision
 from graphamp.runtime.progress import Progress
+from graphamp.runtime.recycled_outputs import RecycledOutputs
 
 __all__ = ["BACKWARD_PHASE", "FORWARD_PHASE", "CompiledGraph", "casts_up_outside", "loss_apart"]
 
@@ -47,6 +48,7 @@ class CompiledGraph:
     ):
         _install_callbacks()
         graph_module, self.cast_up = casts_up_outside(graph_module)
+        self.recycled = RecycledOutputs()
         pieces = loss_apart(graph_module)
         # A graph with symbolic sizes compiles once for all of them; a static one is specialized to its shapes.
         if pieces is None:
@@ -69,7 +71,7 @@ class CompiledGraph:
             return outputs
         outputs = list(outputs)
         for i, dtype in self.cast_up:
-            outputs[i] = outputs[i].to(dtype)
+            outputs[i] = self.recycled.cast(i, outputs[i], dtype)
         return outputs
 
 
