@@ -27,7 +27,9 @@ from graphamp.runtime.checkpointing import checkpointed, marking_checkpoints, ma
 from graphamp.runtime.compiled import CompiledGraph
 from graphamp.dtypes import HALF_DTYPES, check_dtype_runs_on, dtype_name
 from graphamp.errors import ArgumentError, DoubleAmpError
+from graphamp.runtime.grouped_query_attention import attend_grouped_queries
 from graphamp.runtime.in_graph_scaling import register_parameters, run_scaled
+from graphamp.runtime.input_free_values import compute_input_free_values
 from graphamp.runtime.generation import generate
 from graphamp.runtime.fingerprint import DeathWatch, module_fingerprint
 from graphamp.lists import AutoMixedPrecisionLists
@@ -314,7 +316,7 @@ class AmpModule(nn.Module):
         graph_to_run = captured.graph_module
         if self.weight_cache is not None:  # graph_module stays the cast pass's, for the tools that show it
             graph_to_run, captured.fed_weights = feed_weight_casts(graph_to_run, list(captured.parameter_placeholders))
-        runnable = checkpointed(graph_to_run)
+        runnable = checkpointed(compute_input_free_values(attend_grouped_queries(graph_to_run)))
         captured.run = (
             CompiledGraph(runnable, self.progress, timings, is_dynamic(captured.graph_module), self.compile_mode)
             if self.compile

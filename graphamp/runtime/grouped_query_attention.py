@@ -1,0 +1,108 @@
+"""Attention over repeated key/value heads, rewritten as SDPA's own grouped-query attention (`enable_gqa=True`).
+
+Under torch.export transformers builds an explicit mask, and with a mask it repeats each key/value head for its
+group of query heads (`repeat_kv`: unsqueeze, expand, reshape: a copy) before SDPA, forward and backward, in
+every layer. Eager HF passes the unrepeated heads with `enable_gqa=True`. The values are the same: query head i
+reads key/value head i // group either way.
+
+Only where SDPA runs a fused kernel for grouped heads: on a CPU (the flash kernel takes a mask and groups, 8%
+faster than the repeat on a tiny Llama's attention) or without a mask. CUDA's kernels that take a mask do not
+group, and SDPA would fall back to its math path, so a masked CUDA attention keeps the repeat.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+__all__ = ["attend_grouped_queries"]
+
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+_RESHAPES = (torch.ops.aten.reshape.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+_CASTS = (torch.ops.aten._to_copy.default,)
+
+
+def attend_grouped_queries(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of `graph_module` whose SDPA calls on repeated key/value heads group them instead; itself if none."""
+    if not any(_grouped_inputs(node) for node in graph_module.graph.nodes):
+        return graph_module
+    graph_module = copy.deepcopy(graph_module)
+    graph = graph_module.graph
+    for node in list(graph.nodes):
+        grouped = _grouped_inputs(node)
+        if grouped is None:
+            continue
+        key, value = (_unrepeated(graph, node, repeated) for repeated in grouped)
+        node.args = (node.args[0], key, value, *node.args[3:])
+        node.kwargs = {**node.kwargs, "enable_gqa": True}
+    graph.eliminate_dead_code()
+    graph.lint()
+    graph_module.recompile()
+    return graph_module
+
+
+def _grouped_inputs(node: torch.fx.Node):
+    """(key, value) repeat chains of an SDPA call that can group instead; None if it cannot."""
+    if node.op != "call_function" or node.target is not _SDPA or node.kwargs.get("enable_gqa", False):
+        return None
+    if len(node.args) > 7 or len(node.args) < 3:
+        return None
+    query = node.args[0].meta.get("val")
+    mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+    if not isinstance(query, torch.Tensor) or query.dim() != 4 or (mask is not None and query.device.type != "cpu"):
+        return None
+    if isinstance(query.shape[1], torch.SymInt):
+        return None
+    chains = [_repeat_chain(node.args[i]) for i in (1, 2)]
+    if any(chain is None for chain in chains) or len({chain[3] for chain in chains}) != 1:
+        return None
+    source, _, _, group = chains[0]
+    if query.shape[1] != source.meta["val"].shape[1] * group:
+        return None
+    return chains
+
+
+def _repeat_chain(node):
+    """(source, cast or None, reshape, group) for `reshape([cast](expand(unsqueeze(source, 2))))`, as repeat_kv
+    makes (batch, heads, sequence, head dim) of (batch, kv heads, sequence, head dim); None otherwise."""
+    if not isinstance(node, torch.fx.Node) or node.target not in _RESHAPES:
+        return None
+    reshape, inner = node, node.args[0]
+    cast = None
+    if isinstance(inner, torch.fx.Node) and inner.target in _CASTS and set(inner.kwargs) == {"dtype"}:
+        cast, inner = inner, inner.args[0]
+    if not isinstance(inner, torch.fx.Node) or inner.target is not torch.ops.aten.expand.default:
+        return None
+    unsqueeze = inner.args[0]
+    if not (
+        isinstance(unsqueeze, torch.fx.Node) and unsqueeze.target is torch.ops.aten.unsqueeze.default
+        and unsqueeze.args[1] == 2
+    ):
+        return None
+    source = unsqueeze.args[0]
+    shapes = [n.meta.get("val") for n in (source, inner, reshape)]
+    if not all(isinstance(s, torch.Tensor) for s in shapes):
+        return None
+    unrepeated, expanded, repeated = (tuple(s.shape) for s in shapes)
+    if any(isinstance(size, torch.SymInt) for size in (*unrepeated, *expanded, *repeated)):
+        return None  # a static pattern: symbolic sizes would need guards to compare
+    if len(unrepeated) != 4 or len(expanded) != 5:
+        return None
+    batch, heads, sequence, head_dim = unrepeated
+    group = expanded[2]
+    if expanded != (batch, heads, group, sequence, head_dim) or repeated != (batch, heads * group, sequence, head_dim):
+        return None
+    return source, cast, reshape, group
+
+
+def _unrepeated(graph: torch.fx.Graph, attention: torch.fx.Node, chain) -> torch.fx.Node:
+    """The unrepeated heads, cast as the repeated ones were."""
+    source, cast, _, _ = chain
+    if cast is None:
+        return source
+    with graph.inserting_before(attention):
+        unrepeated = graph.call_function(cast.target, (source,), dict(cast.kwargs))
+    unrepeated.meta = dict(cast.meta)
+    unrepeated.meta["val"] = source.meta["val"].to(cast.kwargs["dtype"])
+    return unrepeated
