@@ -49,6 +49,7 @@ def measure(model_name: str, mode: str, dtype_name: str, device: str, steps: int
     from bench_models import build
     from graphamp.inspection.recording import DtypeRecorder
     from step_profile import loss_scaling_range, profile_steps
+    from tensor_memory import peak_tensor_bytes
 
     # torch's capture and compile stacks are libraries too: loaded in every mode before the baseline, so that the
     # peak counts what training holds, not which of torch's modules a mode happened to import first.
@@ -119,6 +120,8 @@ def measure(model_name: str, mode: str, dtype_name: str, device: str, steps: int
     times = [timed(step, device) for _ in range(steps)]
     result["peak_mib"] = _peak_memory_mib(device) - baseline_mib
     result["step_s"] = statistics.median(times)
+    if device != "cuda":  # resident memory moves with glibc's heap; the bytes of live tensors do not
+        result["tensor_mib"] = peak_tensor_bytes(step) / 2**20
     result["compile_s"] = result["first_step_s"] - result["step_s"] if compiled else None
 
     if not compiled:  # inductor fuses casts into its kernels: no cast runs as a kernel of its own there
@@ -224,11 +227,14 @@ def table(results: list[dict], device: str, name: str) -> str:
     """One markdown table: each mode against FP32 and graphamp against autocast in the same mode."""
     peak = bf16_peak(name) if device == "cuda" else None
     by_key = {(r["model"], r["mode"]): r for r in results}
+    tensors = any("tensor_mib" in r for r in results)
     unit = {r["model"]: r.get("unit", "items") for r in results}
     rows = [
         "| model | mode | step ms | spread | × FP32 speed | × autocast speed | items/s | peak MiB | memory / autocast "
-        "| casts / step | rewrite s | compile s |" + (" MFU |" if peak else ""),
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if peak else ""),
+        + ("| tensor MiB | tensors / autocast " if tensors else "")
+        + "| casts / step | rewrite s | compile s |" + (" MFU |" if peak else ""),
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if tensors else "") + "---:|---:|---:|"
+        + ("---:|" if peak else ""),
     ]
     for r in results:
         if "error" in r:
@@ -244,6 +250,13 @@ def table(results: list[dict], device: str, name: str) -> str:
             f"{r['items'] / r['step_s']:,.0f} {unit[r['model']]}",
             f"{r['peak_mib']:,.0f}",
             _ratio(r["peak_mib"], autocast.get("peak_mib")) if is_graphamp else "",
+        ]
+        if tensors:
+            cells += [
+                f"{r['tensor_mib']:,.0f}" if "tensor_mib" in r else "",
+                _ratio(r.get("tensor_mib"), autocast.get("tensor_mib")) if is_graphamp else "",
+            ]
+        cells += [
             str(r["casts"]) if r.get("casts") is not None else "fused",
             f"{r['rewrite_s']:.1f}" if r.get("rewrite_s") is not None else "",
             f"{r['compile_s']:.1f}" if r.get("compile_s") is not None else "",
@@ -342,7 +355,10 @@ def main() -> None:
             + ("`torch.cuda.max_memory_allocated`." if args.device == "cuda" else
                "the process's peak resident memory during the timed steps (after freed memory is handed back to the "
                "OS), less its resident memory before the model was built: torch's libraries, with its capture and "
-               f"compile stacks (torch.export, inductor: {_stacks(results)} MiB, imported in every mode first).")
+               f"compile stacks (torch.export, inductor: {_stacks(results)} MiB, imported in every mode first). Tensor "
+               "MiB: CPU tensor storage alive when a step starts plus the most the step allocates beyond that at "
+               "once, from torch.profiler's allocation events (benchmarks/tensor_memory.py); it does not move with "
+               "glibc's heap as resident memory does.")
             + "\n"
         )
         block = heading + "\n" + table(results, args.device, name)
