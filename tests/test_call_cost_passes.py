@@ -132,3 +132,17 @@ def test_values_that_could_change_or_escape_or_cost_memory_are_computed_every_ca
             torch.testing.assert_close(have, want)
         if module is ReturnsAnInputFreeValue:
             got[1].add_(100)  # the caller's to change: the next call must not see it
+
+
+def test_values_computed_when_the_first_call_runs_under_inference_mode_still_train():
+    """The graph made for an inference-mode call serves training calls too: its kept values must be ordinary
+    tensors, which autograd can save for backward (masked_fill saves the mask)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 8)
+    model = MaskedAttention()
+    with torch.inference_mode():  # rewrite captures here, and makes the graph's kept values
+        amp = graphamp.rewrite(model, (x,), amp_lists=BF16, progress=False)
+        amp(x)
+    assert dict(amp.captures[-1].run.named_buffers())
+    amp(x).square().sum().backward()
+    assert model.project.weight.grad is not None

@@ -92,7 +92,8 @@ def _escapes(value: torch.fx.Node) -> bool:
 def _evaluate(free: list[torch.fx.Node]) -> dict[torch.fx.Node, torch.Tensor]:
     """Run the input-free ops once, in order: they read nothing but each other and literals."""
     values: dict[torch.fx.Node, torch.Tensor] = {}
-    with torch.no_grad():
+    # Ordinary tensors even when the capture runs under inference_mode: the graph serves training calls too.
+    with torch.inference_mode(False), torch.no_grad():
         for node in free:
             args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), values.__getitem__)
             values[node] = node.target(*args, **kwargs)
