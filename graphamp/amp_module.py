@@ -35,6 +35,7 @@ from graphamp.runtime.fingerprint import DeathWatch, module_fingerprint
 from graphamp.lists import AutoMixedPrecisionLists
 from graphamp.runtime.module_hooks import check_global_hooks
 from graphamp.runtime.progress import Progress
+from graphamp.runtime.recycled_outputs import RecycledOutputs
 from graphamp.runtime.regions import Regions, called_module_paths, root_is_called_as_module
 from graphamp.dynamic_dims import size_oblivious
 from graphamp.runtime.shapes import InputGuard, InputSignature, is_dynamic, signature_of, specialized_dims, without_defaults
@@ -103,6 +104,7 @@ class AmpModule(nn.Module):
         self._watch = DeathWatch()  # a module or tensor the captures read has died: its id() may come back
         # torch.export swaps fake tensors into the model while it captures: no other thread may run it then.
         self._lock = threading.RLock()
+        self._recycled = RecycledOutputs()  # one float32 output storage per output, shared by every capture
         self._calls_run = 0  # graph runs, so that a patched forward that bypasses them is noticed
         self._sync_regions()
 
@@ -318,7 +320,9 @@ class AmpModule(nn.Module):
             graph_to_run, captured.fed_weights = feed_weight_casts(graph_to_run, list(captured.parameter_placeholders))
         runnable = checkpointed(compute_input_free_values(attend_grouped_queries(graph_to_run)))
         captured.run = (
-            CompiledGraph(runnable, self.progress, timings, is_dynamic(captured.graph_module), self.compile_mode)
+            CompiledGraph(
+                runnable, self.progress, timings, is_dynamic(captured.graph_module), self.compile_mode, self._recycled
+            )
             if self.compile
             else runnable
         )
@@ -345,13 +349,13 @@ class AmpModule(nn.Module):
         They drop the link too: the linked optimizer holds the original's parameters, not the copy's."""
         state = dict(super().__getstate__())
         state.update(_captures=OrderedDict(), _last=None, _fingerprint=None, _sizes_captured={}, _linked_optimizer=None)
-        state.update(_regions=None, _watch=None, _lock=None, _warned_forward=None)  # made anew for the copy
+        state.update(_regions=None, _watch=None, _lock=None, _warned_forward=None, _recycled=None)  # made anew
         return state
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         register_parameters(self)  # so that decorate() over the copy's parameters links the copy
-        self._watch, self._lock = DeathWatch(), threading.RLock()
+        self._watch, self._lock, self._recycled = DeathWatch(), threading.RLock(), RecycledOutputs()
         self._sync_regions()
 
     def __reduce_ex__(self, protocol):

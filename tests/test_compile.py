@@ -200,3 +200,5 @@ def test_compiled_float32_logits_reuse_the_storage_of_logits_the_caller_dropped(
     third = compiled(input_ids=ids, labels=ids)
     assert third.logits.data_ptr() == address
     assert torch.allclose(third.logits, expected) and third.logits.requires_grad
+    # One storage per output for the whole AmpModule: a capture for other shapes would reuse it, not keep its own.
+    assert all(capture.run.recycled is compiled._recycled for capture in compiled.captures)

@@ -44,11 +44,12 @@ class CompiledGraph:
 
     def __init__(
         self, graph_module: torch.fx.GraphModule, progress: Progress, timings: dict, dynamic: bool = False,
-        mode: str | None = None,
+        mode: str | None = None, recycled: RecycledOutputs | None = None,
     ):
         _install_callbacks()
         graph_module, self.cast_up = casts_up_outside(graph_module)
-        self.recycled = RecycledOutputs()
+        # Shared by an AmpModule's captures, so that each output's float32 storage is kept once, not per capture.
+        self.recycled = recycled if recycled is not None else RecycledOutputs()
         pieces = loss_apart(graph_module)
         # A graph with symbolic sizes compiles once for all of them; a static one is specialized to its shapes.
         if pieces is None:
