@@ -146,3 +146,35 @@ def test_values_computed_when_the_first_call_runs_under_inference_mode_still_tra
     assert dict(amp.captures[-1].run.named_buffers())
     amp(x).square().sum().backward()
     assert model.project.weight.grad is not None
+
+
+def _repeated_heads_attention(with_mask: bool) -> torch.fx.GraphModule:
+    """SDPA over key/value heads repeated as HF's repeat_kv does, traced to ATen (with FakeTensor values)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def repeat(x):
+        return x[:, :, None].expand(2, 2, 2, 8, 4).reshape(2, 4, 8, 4)
+
+    def attend(q, k, v, mask):
+        return torch.nn.functional.scaled_dot_product_attention(q, repeat(k), repeat(v), mask if with_mask else None)
+
+    q, k, v = torch.randn(2, 4, 8, 4), torch.randn(2, 2, 8, 4), torch.randn(2, 2, 8, 4)
+    mask = torch.ones(8, 8, dtype=torch.bool).tril()
+    return make_fx(attend, tracing_mode="fake", pre_dispatch=True)(q, k, v, mask), (q, k, v, mask)
+
+
+@pytest.mark.parametrize("with_mask", [True, False])
+def test_repeated_heads_are_grouped_on_a_cpu_and_off_it_only_without_a_mask(with_mask):
+    from graphamp.runtime.grouped_query_attention import attend_grouped_queries
+
+    graph_module, inputs = _repeated_heads_attention(with_mask)
+    grouped = attend_grouped_queries(graph_module)
+    attention = [n for n in grouped.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default]
+    assert len(attention) == 1 and attention[0].kwargs.get("enable_gqa") is True
+    torch.testing.assert_close(grouped(*inputs), graph_module(*inputs))
+    # Off a CPU, SDPA's kernels that take a mask do not group (it would fall back to its math path): keep the repeat.
+    query = next(n for n in graph_module.graph.nodes if n.op == "placeholder")
+    query.meta["val"] = torch.empty(query.meta["val"].shape, device="meta")
+    elsewhere = attend_grouped_queries(graph_module)
+    grouped_elsewhere = any(n.kwargs.get("enable_gqa") for n in elsewhere.graph.nodes)
+    assert grouped_elsewhere is (not with_mask)
