@@ -27,7 +27,7 @@ MAX_KEPT_BYTES = 1 << 20
 def compute_input_free_values(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A copy of `graph_module` reading its input-free values as constants; `graph_module` if it has none."""
     free = _input_free_nodes(graph_module.graph)
-    kept = [node for node in free if _worth_keeping(node, free)]
+    kept = [node for node in free if _worth_keeping(node, set(free))]
     if not kept:
         return graph_module
     values = _evaluate(free)
@@ -64,7 +64,7 @@ def _input_free_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
     return ordered
 
 
-def _worth_keeping(node: torch.fx.Node, free: list[torch.fx.Node]) -> bool:
+def _worth_keeping(node: torch.fx.Node, free: set[torch.fx.Node]) -> bool:
     """A boundary of the input-free part (an op that reads inputs reads it), small, and safe to share between
     calls: nothing writes into it or returns it, directly or through a view."""
     return (
@@ -82,7 +82,8 @@ def _escapes(value: torch.fx.Node) -> bool:
         schema = reader.target._schema
         for place, argument in enumerate(schema.arguments):
             given = reader.args[place] if place < len(reader.args) else reader.kwargs.get(argument.name)
-            if given is not value or argument.alias_info is None:
+            passed = given is value or isinstance(given, (list, tuple)) and any(item is value for item in given)
+            if not passed or argument.alias_info is None:
                 continue
             if argument.alias_info.is_write or _escapes(reader):
                 return True
