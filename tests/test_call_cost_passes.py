@@ -61,7 +61,7 @@ def test_a_llama_call_builds_no_mask_and_repeats_no_heads_and_trains_as_before(m
 
 
 def _relative_error(got, want):
-    return float((got - want).norm() / want.norm())
+    return float((got - want).detach().norm() / want.detach().norm())
 
 
 class MaskedAttention(nn.Module):
@@ -178,3 +178,22 @@ def test_repeated_heads_are_grouped_on_a_cpu_and_off_it_only_without_a_mask(with
     elsewhere = attend_grouped_queries(graph_module)
     grouped_elsewhere = any(n.kwargs.get("enable_gqa") for n in elsewhere.graph.nodes)
     assert grouped_elsewhere is (not with_mask)
+
+
+def test_a_compiled_llama_with_grouped_heads_and_a_kept_mask_trains_as_the_eager_rewrite():
+    """Inductor compiles the graph that reads the kept mask and calls SDPA with enable_gqa."""
+    torch.manual_seed(0)
+    ids = models.token_batch(2, 16)
+    batch = {"input_ids": ids, "labels": ids}
+    model = models.llama()
+    eager_model = copy.deepcopy(model)
+    compiled = graphamp.rewrite(model, example_kwargs=batch, amp_lists=BF16, compile=True, progress=False)
+    eager = graphamp.rewrite(eager_model, example_kwargs=batch, amp_lists=BF16, progress=False)
+    losses = [amp(**batch).loss for amp in (compiled, eager)]
+    for loss in losses:
+        loss.backward()
+    # Inductor reorders bfloat16 arithmetic: 3e-6 on the loss, 6e-3 on the worst gradient (2026-11-25).
+    assert _relative_error(losses[0], losses[1]) < 1e-3
+    eager_parameters = dict(eager_model.named_parameters())
+    for name, parameter in model.named_parameters():
+        assert _relative_error(parameter.grad, eager_parameters[name].grad) < 3e-2, name
