@@ -9,6 +9,7 @@ the "automatic dynamic" rule of graphamp.runtime.shapes: a signature's second si
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import inspect
 import threading
@@ -315,10 +316,13 @@ class AmpModule(nn.Module):
         if self._regions is not None:
             captured.run = self._regions.split(captured, self.compile, self.progress, timings)
             return captured
-        graph_to_run = captured.graph_module
-        if self.weight_cache is not None:  # graph_module stays the cast pass's, for the tools that show it
-            graph_to_run, captured.fed_weights = feed_weight_casts(graph_to_run, list(captured.parameter_placeholders))
-        runnable = checkpointed(compute_input_free_values(attend_grouped_queries(graph_to_run)))
+        # The passes below edit the graph that runs; graph_module stays the cast pass's, for the tools that show it.
+        graph_to_run = copy.deepcopy(captured.graph_module)
+        if self.weight_cache is not None:
+            captured.fed_weights = feed_weight_casts(graph_to_run, list(captured.parameter_placeholders))
+        attend_grouped_queries(graph_to_run)
+        compute_input_free_values(graph_to_run)
+        runnable = checkpointed(graph_to_run)
         captured.run = (
             CompiledGraph(
                 runnable, self.progress, timings, is_dynamic(captured.graph_module), self.compile_mode, self._recycled

@@ -14,7 +14,7 @@ from graphamp.lists import op_lookup_keys
 
 __all__ = [
     "FP32_ACCUMULATING_OPS", "MODEL_CAST_OPS", "NORM_OPS", "RESHAPE_OPS", "TRACE_ASSERTS", "VIEW_OPS",
-    "argument_value", "draws_random_numbers", "has_explicit_float_dtype", "norm_parameter_inputs", "set_argument",
+    "aliased_inputs", "argument_value", "draws_random_numbers", "has_explicit_float_dtype", "norm_parameter_inputs", "set_argument",
     "written_inputs",
 ]
 
@@ -79,6 +79,11 @@ def _inputs_where(node: Node, predicate) -> set[Node]:
         if predicate(argument):
             map_arg(argument_value(node, argument, None), found.add)
     return found
+
+
+def aliased_inputs(node: Node) -> set[Node]:
+    """The inputs an op's output may share storage with (a view's self) or that it writes into."""
+    return _inputs_where(node, lambda argument: argument.alias_info is not None)
 
 
 def written_inputs(node: Node) -> set[Node]:

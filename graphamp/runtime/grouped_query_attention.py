@@ -12,23 +12,20 @@ group, and SDPA would fall back to its math path, so a masked CUDA attention kee
 
 from __future__ import annotations
 
-import copy
-
 import torch
+
+from graphamp.aten_ops import RESHAPE_OPS
 
 __all__ = ["attend_grouped_queries"]
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
-_RESHAPES = (torch.ops.aten.reshape.default, torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 _CASTS = (torch.ops.aten._to_copy.default,)
 
 
-def attend_grouped_queries(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A copy of `graph_module` whose SDPA calls on repeated key/value heads group them instead; itself if none."""
-    if not any(_grouped_inputs(node) for node in graph_module.graph.nodes):
-        return graph_module
-    graph_module = copy.deepcopy(graph_module)
+def attend_grouped_queries(graph_module: torch.fx.GraphModule) -> None:
+    """Edit `graph_module` in place: its SDPA calls on repeated key/value heads group them instead."""
     graph = graph_module.graph
+    changed = False
     for node in list(graph.nodes):
         grouped = _grouped_inputs(node)
         if grouped is None:
@@ -36,10 +33,11 @@ def attend_grouped_queries(graph_module: torch.fx.GraphModule) -> torch.fx.Graph
         key, value = (_unrepeated(graph, node, repeated) for repeated in grouped)
         node.args = (node.args[0], key, value, *node.args[3:])
         node.kwargs = {**node.kwargs, "enable_gqa": True}
-    graph.eliminate_dead_code()
-    graph.lint()
-    graph_module.recompile()
-    return graph_module
+        changed = True
+    if changed:
+        graph.eliminate_dead_code()
+        graph.lint()
+        graph_module.recompile()
 
 
 def _grouped_inputs(node: torch.fx.Node):
@@ -66,7 +64,7 @@ def _grouped_inputs(node: torch.fx.Node):
 def _repeat_chain(node):
     """(source, cast or None, reshape, group) for `reshape([cast](expand(unsqueeze(source, 2))))`, as repeat_kv
     makes (batch, heads, sequence, head dim) of (batch, kv heads, sequence, head dim); None otherwise."""
-    if not isinstance(node, torch.fx.Node) or node.target not in _RESHAPES:
+    if not isinstance(node, torch.fx.Node) or node.target not in RESHAPE_OPS:
         return None
     reshape, inner = node, node.args[0]
     cast = None

@@ -13,10 +13,10 @@ a rewritten training graph needs.
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch._ops import OpOverload
+
+from graphamp.aten_ops import aliased_inputs, draws_random_numbers, written_inputs
 
 __all__ = ["compute_input_free_values"]
 
@@ -24,27 +24,24 @@ __all__ = ["compute_input_free_values"]
 MAX_KEPT_BYTES = 1 << 20
 
 
-def compute_input_free_values(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A copy of `graph_module` reading its input-free values as constants; `graph_module` if it has none."""
+def compute_input_free_values(graph_module: torch.fx.GraphModule) -> None:
+    """Edit `graph_module` in place: it reads its input-free values as constants (buffers) it computes now."""
     free = _input_free_nodes(graph_module.graph)
     kept = [node for node in free if _worth_keeping(node, set(free))]
     if not kept:
-        return graph_module
+        return
     values = _evaluate(free)
-    copied = copy.deepcopy(graph_module)
-    nodes = {node.name: node for node in copied.graph.nodes}
+    graph = graph_module.graph
     for index, node in enumerate(kept):
         name = f"_input_free_{index}"
-        copied.register_buffer(name, values[node], persistent=False)
-        original = nodes[node.name]
-        with copied.graph.inserting_before(original):
-            constant = copied.graph.get_attr(name)
-        constant.meta = dict(original.meta)
-        original.replace_all_uses_with(constant)
-    copied.graph.eliminate_dead_code()
-    copied.graph.lint()
-    copied.recompile()
-    return copied
+        graph_module.register_buffer(name, values[node], persistent=False)
+        with graph.inserting_before(node):
+            constant = graph.get_attr(name)
+        constant.meta = dict(node.meta)
+        node.replace_all_uses_with(constant)
+    graph.eliminate_dead_code()
+    graph.lint()
+    graph_module.recompile()
 
 
 def _input_free_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
@@ -55,7 +52,7 @@ def _input_free_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
         if node.op != "call_function" or not isinstance(node.target, OpOverload):
             continue
         if (
-            node.is_impure() or node.target._schema.is_mutable or torch.Tag.nondeterministic_seeded in node.target.tags
+            node.is_impure() or node.target._schema.is_mutable or draws_random_numbers(node)
             or not all(n in free for n in node.all_input_nodes) or not _static_tensor(node.meta.get("val"))
         ):
             continue
@@ -79,14 +76,8 @@ def _escapes(value: torch.fx.Node) -> bool:
     for reader in value.users:
         if reader.op == "output" or not isinstance(reader.target, OpOverload):
             return True
-        schema = reader.target._schema
-        for place, argument in enumerate(schema.arguments):
-            given = reader.args[place] if place < len(reader.args) else reader.kwargs.get(argument.name)
-            passed = given is value or isinstance(given, (list, tuple)) and any(item is value for item in given)
-            if not passed or argument.alias_info is None:
-                continue
-            if argument.alias_info.is_write or _escapes(reader):
-                return True
+        if value in written_inputs(reader) or value in aliased_inputs(reader) and _escapes(reader):
+            return True
     return False
 
 

@@ -21,7 +21,6 @@ Writes through `param.data` (`p.data.copy_(t)`, `p.data.mul_(c)`) move no counte
 
 from __future__ import annotations
 
-import copy
 import weakref
 from dataclasses import dataclass
 
@@ -43,18 +42,17 @@ _caches: weakref.WeakSet[WeightCache] = weakref.WeakSet()
 _step_hook = None
 
 
-def feed_weight_casts(graph_module: GraphModule, weight_placeholders: list[str]) -> tuple[GraphModule, list]:
-    """A copy of `graph_module` whose casts of weights to float16/bfloat16 are inputs, appended after the others.
+def feed_weight_casts(graph_module: GraphModule, weight_placeholders: list[str]) -> list:
+    """Edit `graph_module` in place: its casts of weights to float16/bfloat16 become inputs, appended after the others.
 
     Args:
-        graph_module: a rewritten graph (the cast pass's output); it is left as it is.
+        graph_module: a rewritten graph (a copy of the cast pass's output).
         weight_placeholders: names of the placeholders that are parameters.
 
     Returns:
-        (the new graph module, [(index of the weight among the graph's placeholders, dtype), ...]), one entry
-        per new input, in order: call it with the original inputs followed by those weights' casts.
+        [(index of the weight among the graph's placeholders, dtype), ...], one entry per new input, in order: call
+        the graph with the original inputs followed by those weights' casts.
     """
-    graph_module = copy.deepcopy(graph_module)
     graph = graph_module.graph
     placeholders = graph.find_nodes(op="placeholder")
     index_of = {node: i for i, node in enumerate(placeholders)}
@@ -74,7 +72,7 @@ def feed_weight_casts(graph_module: GraphModule, weight_placeholders: list[str])
             fed.append((index_of[weight], cast.kwargs["dtype"]))
     graph.lint()
     graph_module.recompile()
-    return graph_module, fed
+    return fed
 
 
 def _is_plain_cast_down(node) -> bool:
