@@ -26,6 +26,7 @@ from graphamp.capture import Captured, capture
 from graphamp.cast_pass import RewriteReport, check_level, insert_casts
 from graphamp.runtime.checkpointing import checkpointed, marking_checkpoints, matching_modules
 from graphamp.runtime.compiled import CompiledGraph
+from graphamp.runtime.deferred_upcast import plain_arguments
 from graphamp.dtypes import HALF_DTYPES, check_dtype_runs_on, dtype_name
 from graphamp.errors import ArgumentError, DoubleAmpError
 from graphamp.runtime.grouped_query_attention import attend_grouped_queries
@@ -181,6 +182,7 @@ class AmpModule(nn.Module):
     def _run_locked(self, args: tuple, kwargs: dict, dynamic: bool | None):
         check_no_autocast(device_of(self._original))
         self._calls_run += 1
+        args, kwargs = plain_arguments(args, kwargs)  # another compiled AmpModule's float32 output, not yet cast
         captured, flat_inputs = self._captured_for(args, kwargs, dynamic)
         scale = self._loss_scaling_for_this_call()
         if self._regions is not None:
@@ -325,7 +327,8 @@ class AmpModule(nn.Module):
         runnable = checkpointed(graph_to_run)
         captured.run = (
             CompiledGraph(
-                runnable, self.progress, timings, is_dynamic(captured.graph_module), self.compile_mode, self._recycled
+                runnable, self.progress, timings, is_dynamic(captured.graph_module), self.compile_mode, self._recycled,
+                defer_casts_up=True,
             )
             if self.compile
             else runnable

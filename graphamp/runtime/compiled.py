@@ -12,6 +12,7 @@ What is compiled is the graph less its casts of outputs up to float32 (fp32_outp
 from __future__ import annotations
 
 import copy
+import functools
 import operator
 import threading
 import weakref
@@ -21,14 +22,20 @@ from torch._dynamo.callback import CallbackArgs, CallbackTrigger, callback_handl
 from torch._ops import OpOverload
 from torch.fx.passes.split_module import split_module
 
+from graphamp.aten_ops import aliased_inputs
 from graphamp.lists import Decision
+from graphamp.runtime.deferred_upcast import deferred_upcast
 from graphamp.runtime.progress import Progress
 from graphamp.runtime.recycled_outputs import RecycledOutputs
 
-__all__ = ["BACKWARD_PHASE", "FORWARD_PHASE", "CompiledGraph", "casts_up_outside", "loss_apart"]
+__all__ = ["BACKWARD_PHASE", "DEFERRED_CAST_MIN_BYTES", "FORWARD_PHASE", "CompiledGraph", "casts_up_outside", "loss_apart"]
 
 FORWARD_PHASE = "compiling the forward graph with inductor"
 BACKWARD_PHASE = "compiling the backward graph with inductor"
+
+# Below this the cast costs less than deferring it (a wrapper, then a swap on the first read) and saves no memory
+# worth it; the logits of a language model are tens of MiB.
+DEFERRED_CAST_MIN_BYTES = 2**20
 
 _calling = threading.local()  # .graph: the CompiledGraph whose call is running on this thread
 _graph_of_compile_id: weakref.WeakValueDictionary[str, CompiledGraph] = weakref.WeakValueDictionary()
@@ -44,9 +51,12 @@ class CompiledGraph:
 
     def __init__(
         self, graph_module: torch.fx.GraphModule, progress: Progress, timings: dict, dynamic: bool = False,
-        mode: str | None = None, recycled: RecycledOutputs | None = None,
+        mode: str | None = None, recycled: RecycledOutputs | None = None, defer_casts_up: bool = False,
     ):
         _install_callbacks()
+        # defer_casts_up: the outputs go to the caller as they are (not to another graph), so a large one may be
+        # cast when first read (graphamp.runtime.deferred_upcast), provided nothing can write its low value first.
+        self.deferrable = _fresh_outputs(graph_module) if defer_casts_up else set()
         graph_module, self.cast_up = casts_up_outside(graph_module)
         # Shared by an AmpModule's captures, so that each output's float32 storage is kept once, not per capture.
         self.recycled = recycled if recycled is not None else RecycledOutputs()
@@ -72,8 +82,16 @@ class CompiledGraph:
             return outputs
         outputs = list(outputs)
         for i, dtype in self.cast_up:
-            outputs[i] = self.recycled.cast(i, outputs[i], dtype)
+            cast = functools.partial(self.recycled.cast, i, dtype=dtype)
+            outputs[i] = deferred_upcast(outputs[i], dtype, cast) if self._defers(i, outputs[i], dtype) else cast(outputs[i])
         return outputs
+
+    def _defers(self, index: int, value: torch.Tensor, dtype: torch.dtype) -> bool:
+        """Whether the cast of this output waits for a read: a training call's output of 1 MiB or more."""
+        return (
+            index in self.deferrable and value.requires_grad and torch.is_grad_enabled()
+            and not torch.is_inference_mode_enabled() and value.numel() * dtype.itemsize >= DEFERRED_CAST_MIN_BYTES
+        )
 
 
 def casts_up_outside(graph_module: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list]:
@@ -140,6 +158,29 @@ def _movable_into_loss(node: torch.fx.Node) -> bool:
         node.op == "call_function" and (isinstance(node.target, OpOverload) or node.target is operator.getitem)
         and decision != Decision.WHITE and not node.is_impure()
     )
+
+
+def _fresh_outputs(graph_module: torch.fx.GraphModule) -> set[int]:
+    """The output positions cast up from a value the graph computes into storage of its own: not an input, a
+    constant, or a view of one, which the caller could write into before a deferred cast reads it."""
+    output = _output_of(graph_module.graph)
+    flat = output.args[0] if isinstance(output.args[0], (list, tuple)) else ()
+    return {i for i, node in enumerate(flat) if _cast_up_dtype(node) is not None and _owns_storage(node.args[0])}
+
+
+def _owns_storage(node: torch.fx.Node) -> bool:
+    while True:
+        if node.op == "call_function" and node.target is operator.getitem:
+            node = node.args[0]  # an element of a multi-output op's result: as fresh as that op's outputs
+        elif node.op == "call_function" and isinstance(node.target, OpOverload):
+            aliased = aliased_inputs(node)
+            if not aliased:
+                return True
+            if len(aliased) > 1:
+                return False
+            (node,) = aliased
+        else:  # a placeholder, a constant, a checkpointed region's call
+            return False
 
 
 def _cast_up_dtype(node) -> torch.dtype | None:
