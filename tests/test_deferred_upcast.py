@@ -42,13 +42,17 @@ def _pair(seed=0, shape=(4, 8)):
     values = torch.randn(*shape, generator=generator).to(torch.bfloat16)
     low, reference_low = values.clone().requires_grad_(), values.clone().requires_grad_()
     cast = CountedCast()
-    return deferred_upcast(low * 3, torch.float32, cast), (reference_low * 3).to(torch.float32), cast, (low, reference_low)
+    deferred = deferred_upcast(low * 3, torch.float32, cast)
+    return deferred, (reference_low * 3).to(torch.float32), cast, (low, reference_low)
+
+
+def _metadata(t):
+    return t.dtype, t.shape, t.stride(), t.device, t.requires_grad, t.is_leaf, t.dim(), len(t), t.numel()
 
 
 def test_reading_only_metadata_makes_no_cast():
     deferred, eager, cast, _ = _pair()
-    assert (deferred.dtype, deferred.shape, deferred.stride(), deferred.device) == (eager.dtype, eager.shape, eager.stride(), eager.device)
-    assert (deferred.requires_grad, deferred.is_leaf, deferred.dim(), len(deferred), deferred.numel()) == (True, False, 2, 4, 32)
+    assert _metadata(deferred) == _metadata(eager)
     assert deferred.is_contiguous() and deferred.is_floating_point() and deferred.element_size() == 4
     assert cast.calls == 0 and type(deferred) is DeferredUpcast
 
@@ -188,7 +192,7 @@ class LanguageHead(nn.Module):
 
 def _tokens():
     generator = torch.Generator().manual_seed(0)
-    return torch.randint(0, LanguageHead.VOCAB, (5, 7), generator=generator), torch.randint(0, LanguageHead.VOCAB, (5, 7), generator=generator)
+    return tuple(torch.randint(0, LanguageHead.VOCAB, (5, 7), generator=generator) for _ in range(2))
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +215,8 @@ def _step(model, amp, threshold, monkeypatch, read_logits=None):
 def test_unread_logits_are_never_cast_and_the_gradients_are_unchanged(compiled_head, monkeypatch):
     model, amp = compiled_head
     deferred_grads, deferred_loss, logits = _step(model, amp, ALWAYS, monkeypatch)
-    assert type(logits) is DeferredUpcast and logits.dtype == torch.float32 and logits.shape == (5, 7, LanguageHead.VOCAB)
+    assert type(logits) is DeferredUpcast
+    assert logits.dtype == torch.float32 and logits.shape == (5, 7, LanguageHead.VOCAB)
     eager_grads, eager_loss, eager_logits = _step(model, amp, NEVER, monkeypatch)
     assert type(eager_logits) is torch.Tensor
     assert torch.equal(deferred_loss, eager_loss)
@@ -283,7 +288,9 @@ def test_float16_loss_scaling_in_the_graph_with_deferred_outputs_matches_it_with
 
 
 @pytest.mark.parametrize("weakly_referenced", [False, True], ids=["swapped", "kept"])
-def test_an_output_fed_to_another_amp_module_is_read_as_its_float32_values(compiled_head, monkeypatch, weakly_referenced):
+def test_an_output_fed_to_another_amp_module_is_read_as_its_float32_values(
+    compiled_head, monkeypatch, weakly_referenced
+):
     model, amp = compiled_head
     torch.manual_seed(1)
     follower_model = nn.Linear(LanguageHead.VOCAB, 3)
