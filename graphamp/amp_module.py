@@ -32,7 +32,7 @@ from graphamp.errors import ArgumentError, DoubleAmpError
 from graphamp.runtime.grouped_query_attention import attend_grouped_queries
 from graphamp.runtime.in_graph_scaling import register_parameters, run_scaled
 from graphamp.runtime.input_free_values import compute_input_free_values
-from graphamp.runtime.generation import generate
+from graphamp.runtime.generation import GenerationCall, generate
 from graphamp.runtime.fingerprint import DeathWatch, module_fingerprint
 from graphamp.lists import AutoMixedPrecisionLists
 from graphamp.runtime.module_hooks import check_global_hooks
@@ -107,6 +107,7 @@ class AmpModule(nn.Module):
         # torch.export swaps fake tensors into the model while it captures: no other thread may run it then.
         self._lock = threading.RLock()
         self._recycled = RecycledOutputs()  # one float32 output storage per output, shared by every capture
+        self._generation: GenerationCall | None = None  # while a generate() call runs (graphamp.runtime.generation)
         self._calls_run = 0  # graph runs, so that a patched forward that bypasses them is noticed
         self._sync_regions()
 
@@ -196,10 +197,15 @@ class AmpModule(nn.Module):
         return pytree.tree_unflatten([outputs[i] for i in captured.user_outputs], captured.out_spec)
 
     def _weight_casts(self, captured: Captured, lifted: list, gradient_factor: torch.Tensor | None = None) -> list:
-        """The low-precision weights a weight-cache graph takes after the user inputs (kept between forwards)."""
+        """The low-precision weights a graph that takes them after the user inputs is called with: kept between
+        forwards by the weight cache, or for the length of a generate() call; else cast for this call alone (a
+        graph captured during generate() and called outside it)."""
         if not captured.fed_weights:
             return []
-        return self.weight_cache.casts_of([(lifted[i], dtype) for i, dtype in captured.fed_weights], gradient_factor)
+        cache = self.weight_cache
+        if cache is None:
+            cache = self._generation.weights if self._generation is not None else WeightCache()
+        return cache.casts_of([(lifted[i], dtype) for i, dtype in captured.fed_weights], gradient_factor)
 
     def recapture(self) -> None:
         """Drop every cached capture: the next call captures the model as it is then.
@@ -225,10 +231,12 @@ class AmpModule(nn.Module):
 
         dynamic: True captures with dynamic dims at once, as generation does; None follows `self.dynamic`.
         """
-        fingerprint = self._model_fingerprint()
-        if (fingerprint is not None and fingerprint != self._fingerprint) or self._watch.changed:
-            self._captures.clear()  # a graph of the model as it was must never run again
-            self._sync_regions()
+        generation = self._generation
+        if generation is None or not generation.model_checked:  # a generate() call checks the model once
+            fingerprint = self._model_fingerprint()
+            if (fingerprint is not None and fingerprint != self._fingerprint) or self._watch.changed:
+                self._captures.clear()  # a graph of the model as it was must never run again
+                self._sync_regions()
         # One capture whatever order keywords come in, and whether or not a default is passed explicitly.
         kwargs = dict(sorted(without_defaults(self._original, kwargs).items()))
         signature, flat_inputs = signature_of(self.training, device_of(self._original), args, kwargs)
@@ -244,6 +252,8 @@ class AmpModule(nn.Module):
         else:
             self._captures.move_to_end(key)
         self._last = self._captures[key]
+        if generation is not None:
+            generation.model_checked = True
         return self._last, flat_inputs
 
     def _model_fingerprint(self) -> tuple:
@@ -320,7 +330,7 @@ class AmpModule(nn.Module):
             return captured
         # The passes below edit the graph that runs; graph_module stays the cast pass's, for the tools that show it.
         graph_to_run = copy.deepcopy(captured.graph_module)
-        if self.weight_cache is not None:
+        if self.weight_cache is not None or self._generation is not None:
             captured.fed_weights = feed_weight_casts(graph_to_run, list(captured.parameter_placeholders))
         attend_grouped_queries(graph_to_run)
         compute_input_free_values(graph_to_run)
@@ -356,7 +366,9 @@ class AmpModule(nn.Module):
         They drop the link too: the linked optimizer holds the original's parameters, not the copy's."""
         state = dict(super().__getstate__())
         state.update(_captures=OrderedDict(), _last=None, _fingerprint=None, _sizes_captured={}, _linked_optimizer=None)
-        state.update(_regions=None, _watch=None, _lock=None, _warned_forward=None, _recycled=None)  # made anew
+        state.update(  # made anew
+            _regions=None, _watch=None, _lock=None, _warned_forward=None, _recycled=None, _generation=None
+        )
         return state
 
     def __setstate__(self, state: dict) -> None:

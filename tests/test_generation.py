@@ -121,3 +121,99 @@ def test_amp_model_without_generate_has_no_generate(bf16):
     amp = graphamp.rewrite(torch.nn.Linear(4, 4), (torch.randn(2, 4),), amp_lists=bf16)
 
     assert not hasattr(amp, "generate")
+
+
+class _WeightCasts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts float32 -> bfloat16 casts of parameters (by storage) during the block."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        source = args[0] if args else None
+        if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default) and isinstance(source, torch.Tensor):
+            read = args[1] if func is torch.ops.aten.copy_.default else source
+            if read.dtype == torch.float32 and read.untyped_storage().data_ptr() in self.storages:
+                self.count += 1
+        return func(*args, **kwargs)
+
+
+def test_one_generate_call_casts_each_weight_once_whatever_its_length(bf16, seeded):
+    """As autocast keeps its casts for the length of its context: a decode step does not cast the weights again."""
+    model = llama().eval()
+    amp = graphamp.rewrite(model, (), {"input_ids": token_batch(1, 8)}, amp_lists=bf16)
+    greedy(amp, token_batch(1, 8, seed=3))  # captures the prefill and decode steps
+    counts = []
+    for new_tokens in (2, 7):
+        with _WeightCasts(model) as casts:
+            greedy(amp, token_batch(1, 8, seed=4), new_tokens=new_tokens)
+        counts.append(casts.count)
+    weights = len([p for p in model.parameters() if p.dim() == 2]) - 1  # the embedding is read in FP32
+    assert counts[0] == counts[1] and 0 < counts[0] <= weights + 1  # the tied or untied head
+
+
+def test_a_weight_written_between_generate_calls_is_read_by_the_next(bf16, seeded):
+    model = llama().eval()
+    amp = graphamp.rewrite(model, (), {"input_ids": token_batch(1, 8)}, amp_lists=bf16)
+    ids = token_batch(1, 8, seed=3)
+    greedy(amp, ids)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(torch.randn_like(model.lm_head.weight))  # another model's head
+        model.model.layers[0].mlp.down_proj.weight.data = torch.randn_like(model.model.layers[0].mlp.down_proj.weight)
+    tokens = greedy(amp, ids)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = greedy(model, ids)
+    assert torch.equal(tokens, expected)
+
+
+def test_a_step_captured_during_generate_runs_outside_it_with_its_weights_cast_per_call(bf16, seeded):
+    """A graph made during generate() takes its weights' casts as inputs; called outside, it is given fresh ones."""
+    from graphamp.runtime.generation import GenerationCall
+
+    model = llama().eval()
+    ids = token_batch(1, 8)
+    amp = graphamp.rewrite(model, (), {"input_ids": ids}, amp_lists=bf16)
+    amp.recapture()
+    amp._generation = GenerationCall()
+    try:
+        with torch.no_grad():
+            inside = amp(input_ids=ids).logits
+    finally:
+        amp._generation = None
+    assert amp.captures[-1].fed_weights
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2)  # outside a generate() call nothing is kept: the next call reads this
+        outside = amp(input_ids=ids).logits
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(input_ids=ids).logits
+    assert len(amp.captures) == 1 and not torch.equal(inside, outside)
+    torch.testing.assert_close(outside, expected.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_decode_steps_with_symbolic_lengths_group_key_value_heads_on_a_cpu(bf16, seeded):
+    """The decode graph (symbolic sequence length) hands SDPA the unrepeated heads, as eager HF does."""
+    model = llama().eval()
+    amp = graphamp.rewrite(model, (), {"input_ids": token_batch(1, 8)}, amp_lists=bf16)
+    greedy(amp, token_batch(1, 8, seed=3))
+    graph = amp.captures[-1].run.graph
+    attention = graph.find_nodes(op="call_function", target=torch.ops.aten.scaled_dot_product_attention.default)
+    assert attention and all(node.kwargs.get("enable_gqa") for node in attention)
+    assert not graph.find_nodes(op="call_function", target=torch.ops.aten.expand.default) or all(
+        node.meta["val"].dim() != 5 for node in graph.find_nodes(op="call_function", target=torch.ops.aten.expand.default)
+    )
+
+
+def test_a_module_swapped_between_generate_calls_is_seen_by_the_next(bf16, seeded):
+    """Within one call the model is checked at its first forward; each call checks again."""
+    model = llama().eval()
+    amp = graphamp.rewrite(model, (), {"input_ids": token_batch(1, 8)}, amp_lists=bf16)
+    ids = token_batch(1, 8, seed=3)
+    greedy(amp, ids)
+    model.lm_head = torch.nn.Linear(model.config.hidden_size, VOCAB, bias=True)
+    tokens = greedy(amp, ids)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = greedy(model, ids)
+    assert torch.equal(tokens, expected)

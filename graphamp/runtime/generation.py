@@ -6,22 +6,39 @@ is routed through the AmpModule: with transformers' pytree registration of Dynam
 torch.export), the cache's tensors are graph inputs and outputs, and each step's signature is captured with
 dynamic dims at once, so a generation costs one prefill and one decode capture, whatever the lengths.
 Where a step cannot be captured, generation runs the original model in FP32 and says why, once.
+
+For the length of one call, as torch.autocast keeps its weight casts for the length of its context:
+- the weights' float16/bfloat16 casts are kept from token to token (a WeightCache, so a weight written meanwhile
+  is still recast): a decode step otherwise casts every weight again for one token, which for a large model reads
+  and writes more bytes than its matmuls do;
+- the model is checked for edits (module tree, hooks, tensors) at the first forward only: nothing between two
+  tokens of one call edits it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+from dataclasses import dataclass, field
 import warnings
 import weakref
 
 from graphamp.cache_pytree import register_cache_pytree
 from graphamp.errors import CaptureError
+from graphamp.runtime.weight_cache import WeightCache
 
-__all__ = ["generate"]
+__all__ = ["GenerationCall", "generate"]
 
 # AmpModule -> why its generation cannot be captured: later calls go straight to the original.
 _uncapturable: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class GenerationCall:
+    """What one generate() call keeps from token to token."""
+
+    weights: WeightCache = field(default_factory=WeightCache)
+    model_checked: bool = False  # the model fingerprint was compared at this call's first forward
 
 
 def generate(amp_model, *args, **kwargs):
@@ -68,9 +85,14 @@ def _forward_through(amp_model):
             capturing = False
 
     original.forward = forward
+    outermost = amp_model._generation is None
+    if outermost:
+        amp_model._generation = GenerationCall()
     try:
         yield
     finally:
+        if outermost:
+            amp_model._generation = None
         if own_forward is None:
             del original.forward
         else:

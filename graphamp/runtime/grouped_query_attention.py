@@ -12,7 +12,10 @@ group, and SDPA would fall back to its math path, so a masked CUDA attention kee
 
 from __future__ import annotations
 
+import sys
+
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from graphamp.aten_ops import RESHAPE_OPS
 
@@ -50,15 +53,18 @@ def _grouped_inputs(node: torch.fx.Node):
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
     if not isinstance(query, torch.Tensor) or query.dim() != 4 or (mask is not None and query.device.type != "cpu"):
         return None
-    if isinstance(query.shape[1], torch.SymInt):
-        return None
     chains = [_repeat_chain(node.args[i]) for i in (1, 2)]
     if any(chain is None for chain in chains) or len({chain[3] for chain in chains}) != 1:
         return None
     source, _, _, group = chains[0]
-    if query.shape[1] != source.meta["val"].shape[1] * group:
+    if not _equal(query.shape[1], source.meta["val"].shape[1] * group):
         return None
     return chains
+
+
+def _equal(a, b) -> bool:
+    """Sizes equal for every value their symbols can take (a generation graph's sequence length): no guard added."""
+    return statically_known_true(a == b)
 
 
 def _repeat_chain(node):
@@ -72,26 +78,38 @@ def _repeat_chain(node):
         cast, inner = inner, inner.args[0]
     if not isinstance(inner, torch.fx.Node) or inner.target is not torch.ops.aten.expand.default:
         return None
-    unsqueeze = inner.args[0]
+    unsqueeze = _through_whole_slices(inner.args[0])
     if not (
         isinstance(unsqueeze, torch.fx.Node) and unsqueeze.target is torch.ops.aten.unsqueeze.default
         and unsqueeze.args[1] == 2
     ):
         return None
-    source = unsqueeze.args[0]
+    source = _through_whole_slices(unsqueeze.args[0])
     shapes = [n.meta.get("val") for n in (source, inner, reshape)]
     if not all(isinstance(s, torch.Tensor) for s in shapes):
         return None
     unrepeated, expanded, repeated = (tuple(s.shape) for s in shapes)
-    if any(isinstance(size, torch.SymInt) for size in (*unrepeated, *expanded, *repeated)):
-        return None  # a static pattern: symbolic sizes would need guards to compare
-    if len(unrepeated) != 4 or len(expanded) != 5:
+    if len(unrepeated) != 4 or len(expanded) != 5 or len(repeated) != 4 or not isinstance(expanded[2], int):
         return None
     batch, heads, sequence, head_dim = unrepeated
     group = expanded[2]
-    if expanded != (batch, heads, group, sequence, head_dim) or repeated != (batch, heads * group, sequence, head_dim):
+    matches = [
+        *zip(expanded, (batch, heads, group, sequence, head_dim)), *zip(repeated, (batch, heads * group, sequence, head_dim))
+    ]
+    if not all(_equal(size, wanted) for size, wanted in matches):
         return None
     return source, cast, reshape, group
+
+
+def _through_whole_slices(node):
+    """The tensor under `x[:, :, None]`'s slices that keep a whole dim (`slice(x, dim, 0, sys.maxsize)`), which a
+    graph with symbolic sizes keeps; `node` itself if it is no such slice."""
+    while (
+        isinstance(node, torch.fx.Node) and node.target is torch.ops.aten.slice.Tensor
+        and tuple(node.args[2:]) in ((), (0,), (0, sys.maxsize), (0, sys.maxsize, 1)) and not node.kwargs
+    ):
+        node = node.args[0]
+    return node
 
 
 def _unrepeated(graph: torch.fx.Graph, attention: torch.fx.Node, chain) -> torch.fx.Node:

@@ -139,6 +139,7 @@ class WeightCache:
 
     def __init__(self) -> None:
         self._copies = WeakIdKeyDictionary()  # parameter -> {dtype: _Copy}
+        self._last: tuple[list, list[_Copy]] = ([], [])  # the last request's (weights, copies): calls repeat it
         self.static_addresses = False  # mark copies for CUDA graphs (compile mode "reduce-overhead")
         _install_step_hook()
         _caches.add(self)
@@ -153,7 +154,11 @@ class WeightCache:
             gradient_factor: under loss scaling in the graph, 1/scale of this forward: the copies' gradients
                 are multiplied by it in float32, on their way back to the master weights.
         """
-        casts, stale, trained, trained_weights = [], {}, [], []
+        if gradient_factor is None:
+            fresh = self._fresh_copies_of_last(weights)
+            if fresh is not None:
+                return fresh
+        casts, stale, trained, trained_weights, copies_used = [], {}, [], [], []
         for weight, dtype in weights:
             if gradient_factor is not None and weight.requires_grad:
                 trained.append(len(casts))
@@ -172,8 +177,11 @@ class WeightCache:
             elif kept.stale or kept.version != weight._version:
                 stale[id(kept)] = (kept, weight)
             casts.append(kept.low)
+            copies_used.append(kept)
         if stale:
             _recast([kept for kept, _ in stale.values()], [weight for _, weight in stale.values()])
+        if len(copies_used) == len(weights):
+            self._last = ([weight for weight, _ in weights], copies_used)
         if trained and len(trained) == len(casts):  # this forward's own node between the copies and the master weights
             return list(_CastGradientsUp.apply(gradient_factor, self.static_addresses, casts, *trained_weights))
         if trained:
@@ -184,6 +192,20 @@ class WeightCache:
                 casts[i] = cast
         return casts
 
+    def _fresh_copies_of_last(self, weights: list[tuple[torch.Tensor, torch.dtype]]) -> list[torch.Tensor] | None:
+        """The copies of the last request if this one asks for the same weights and dtypes and none changed since:
+        a decode step's forward, every token. Saves the per-weight dictionary lookups; None if anything differs."""
+        last_weights, last_copies = self._last
+        if len(last_weights) != len(weights):
+            return None
+        for (weight, dtype), last, kept in zip(weights, last_weights, last_copies):
+            if (
+                weight is not last or kept.low.dtype != dtype or kept.stale or kept.version != weight._version
+                or not kept.holds(weight)
+            ):
+                return None
+        return [kept.low for kept in last_copies]
+
     def mark_trained_stale(self) -> None:
         """Recast the copies of weights that require grad at their next use (an optimizer stepped)."""
         for copies in self._copies.values():
@@ -193,6 +215,7 @@ class WeightCache:
     def clear(self) -> None:
         """Drop every copy; the next forward casts afresh (after writes through `param.data`)."""
         self._copies = WeakIdKeyDictionary()
+        self._last = ([], [])
 
     def kept_copies(self) -> list[torch.Tensor]:
         """The low-precision copies held now."""
