@@ -1,7 +1,7 @@
 """A tiny Llama's steady-state step inside the loops people use: HF Trainer, Lightning, and `generate()` per token.
 
     PYTHONPATH=. python benchmarks/loop_overhead.py
-    PYTHONPATH=. python benchmarks/loop_overhead.py --loops generate --rounds 5
+    PYTHONPATH=. python benchmarks/loop_overhead.py --loops generate --rounds 5   # runs on the CPU, also on a GPU machine
 
 Each loop runs its mixed precision the way its users turn it on: autocast through `Trainer(bf16=True)`,
 Lightning's `precision="bf16-mixed"` and `torch.autocast` around `generate()`; graphamp as the module
