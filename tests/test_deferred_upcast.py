@@ -332,3 +332,15 @@ def test_only_outputs_computed_into_storage_of_their_own_may_wait():
     casts = [op(aten._to_copy.default, value, dtype=torch.float32) for value in (transposed, product, first_half, x)]
     graph.output(tuple(casts))
     assert _fresh_outputs(torch.fx.GraphModule(nn.Module(), graph)) == {1, 2}
+
+
+def test_under_cuda_graph_modes_outputs_are_cast_at_once(monkeypatch):
+    """A CUDA graph's next replay writes over its last outputs: the low value cannot wait for a read there."""
+    torch.manual_seed(0)
+    amp = graphamp.rewrite(
+        LanguageHead(), _tokens(), amp_lists=BF16, compile=True, compile_mode="reduce-overhead", progress=False
+    )
+    monkeypatch.setattr(compiled_module, "DEFERRED_CAST_MIN_BYTES", ALWAYS)
+    loss, logits = amp(*_tokens())
+    assert type(logits) is torch.Tensor and logits.dtype == torch.float32
+    assert not amp.captures[-1].run.deferrable

@@ -28,7 +28,9 @@ from graphamp.runtime.deferred_upcast import deferred_upcast
 from graphamp.runtime.progress import Progress
 from graphamp.runtime.recycled_outputs import RecycledOutputs
 
-__all__ = ["BACKWARD_PHASE", "DEFERRED_CAST_MIN_BYTES", "FORWARD_PHASE", "CompiledGraph", "casts_up_outside", "loss_apart"]
+__all__ = [
+    "BACKWARD_PHASE", "DEFERRED_CAST_MIN_BYTES", "FORWARD_PHASE", "CompiledGraph", "casts_up_outside", "loss_apart"
+]
 
 FORWARD_PHASE = "compiling the forward graph with inductor"
 BACKWARD_PHASE = "compiling the backward graph with inductor"
@@ -36,6 +38,8 @@ BACKWARD_PHASE = "compiling the backward graph with inductor"
 # Below this the cast costs less than deferring it (a wrapper, then a swap on the first read) and saves no memory
 # worth it; the logits of a language model are tens of MiB.
 DEFERRED_CAST_MIN_BYTES = 2**20
+
+_CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that record CUDA graphs
 
 _calling = threading.local()  # .graph: the CompiledGraph whose call is running on this thread
 _graph_of_compile_id: weakref.WeakValueDictionary[str, CompiledGraph] = weakref.WeakValueDictionary()
@@ -55,8 +59,10 @@ class CompiledGraph:
     ):
         _install_callbacks()
         # defer_casts_up: the outputs go to the caller as they are (not to another graph), so a large one may be
-        # cast when first read (graphamp.runtime.deferred_upcast), provided nothing can write its low value first.
-        self.deferrable = _fresh_outputs(graph_module) if defer_casts_up else set()
+        # cast when first read (graphamp.runtime.deferred_upcast), provided nothing can write its low value first:
+        # not under CUDA graphs, whose next replay writes over the outputs of the last one.
+        deferring = defer_casts_up and mode not in _CUDA_GRAPH_MODES
+        self.deferrable = _fresh_outputs(graph_module) if deferring else set()
         graph_module, self.cast_up = casts_up_outside(graph_module)
         # Shared by an AmpModule's captures, so that each output's float32 storage is kept once, not per capture.
         self.recycled = recycled if recycled is not None else RecycledOutputs()
@@ -83,7 +89,8 @@ class CompiledGraph:
         outputs = list(outputs)
         for i, dtype in self.cast_up:
             cast = functools.partial(self.recycled.cast, i, dtype=dtype)
-            outputs[i] = deferred_upcast(outputs[i], dtype, cast) if self._defers(i, outputs[i], dtype) else cast(outputs[i])
+            deferred = self._defers(i, outputs[i], dtype)
+            outputs[i] = deferred_upcast(outputs[i], dtype, cast) if deferred else cast(outputs[i])
         return outputs
 
     def _defers(self, index: int, value: torch.Tensor, dtype: torch.dtype) -> bool:

@@ -94,7 +94,8 @@ def _repeat_chain(node):
     batch, heads, sequence, head_dim = unrepeated
     group = expanded[2]
     matches = [
-        *zip(expanded, (batch, heads, group, sequence, head_dim)), *zip(repeated, (batch, heads * group, sequence, head_dim))
+        *zip(expanded, (batch, heads, group, sequence, head_dim)),
+        *zip(repeated, (batch, heads * group, sequence, head_dim)),
     ]
     if not all(_equal(size, wanted) for size, wanted in matches):
         return None
