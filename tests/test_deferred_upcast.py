@@ -344,3 +344,40 @@ def test_under_cuda_graph_modes_outputs_are_cast_at_once(monkeypatch):
     loss, logits = amp(*_tokens())
     assert type(logits) is torch.Tensor and logits.dtype == torch.float32
     assert not amp.captures[-1].run.deferrable
+
+
+def test_hf_trainer_on_a_compiled_amp_module_trains_as_without_deferred_casts(tmp_path, monkeypatch):
+    """The Trainer reads `outputs["loss"]` and never the logits: each step's loss is the same either way."""
+    transformers = pytest.importorskip("transformers")
+
+    class Tokens(torch.utils.data.Dataset):
+        def __len__(self):
+            return 32
+
+        def __getitem__(self, index):
+            ids = torch.randint(1, models.VOCAB, (16,), generator=torch.Generator().manual_seed(index))
+            return {"input_ids": ids, "labels": ids}
+
+    created = []
+    monkeypatch.setattr(compiled_module, "deferred_upcast", lambda *a: created.append(1) or deferred_upcast(*a))
+    runs = []
+    for threshold in (ALWAYS, NEVER):
+        monkeypatch.setattr(compiled_module, "DEFERRED_CAST_MIN_BYTES", threshold)
+        torch.manual_seed(0)
+        example = {k: v.repeat(2, 1) for k, v in Tokens()[0].items()}
+        example["num_items_in_batch"] = torch.tensor(32.0)
+        amp = graphamp.rewrite(models.llama(), example_kwargs=example, amp_lists=BF16, compile=True, progress=False)
+        losses = []
+
+        class Losses(transformers.TrainerCallback):
+            def on_log(self, args, state, control, logs=None, **kwargs):
+                losses.extend([logs["loss"]] if logs and "loss" in logs else [])
+
+        arguments = transformers.TrainingArguments(
+            output_dir=str(tmp_path / str(threshold)), max_steps=3, per_device_train_batch_size=2, logging_steps=1,
+            save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True, learning_rate=1e-3,
+        )
+        transformers.Trainer(model=amp, args=arguments, train_dataset=Tokens(), callbacks=[Losses()]).train()
+        runs.append(losses)
+    assert len(created) >= 3  # every training step's logits waited (the first run)
+    assert len(runs[0]) == 3 and runs[0] == runs[1]
