@@ -22,6 +22,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from graphamp.cache_pytree import update_given_caches
 from graphamp.capture import Captured, capture
 from graphamp.cast_pass import RewriteReport, check_level, insert_casts
 from graphamp.runtime.checkpointing import checkpointed, marking_checkpoints, matching_modules
@@ -187,14 +188,15 @@ class AmpModule(nn.Module):
         captured, flat_inputs = self._captured_for(args, kwargs, dynamic)
         scale = self._loss_scaling_for_this_call()
         if self._regions is not None:
-            return self._regions.call(captured, args, kwargs, scale)
+            return update_given_caches(args, kwargs, self._regions.call(captured, args, kwargs, scale))
         lifted = [source.get() for source in captured.lifted]
         if scale is None:
             outputs = captured.run(*lifted, *flat_inputs, *self._weight_casts(captured, lifted))
         else:
             weight_casts = functools.partial(self._weight_casts, captured, lifted)
             outputs = run_scaled(captured.run, [*lifted, *flat_inputs], scale, weight_casts)
-        return pytree.tree_unflatten([outputs[i] for i in captured.user_outputs], captured.out_spec)
+        results = pytree.tree_unflatten([outputs[i] for i in captured.user_outputs], captured.out_spec)
+        return update_given_caches(args, kwargs, results)
 
     def _weight_casts(self, captured: Captured, lifted: list, gradient_factor: torch.Tensor | None = None) -> list:
         """The low-precision weights a graph that takes them after the user inputs is called with: kept between

@@ -11,7 +11,7 @@ import sys
 
 import torch.utils._pytree as pytree
 
-__all__ = ["register_cache_pytree", "register_cache_pytree_for"]
+__all__ = ["register_cache_pytree", "register_cache_pytree_for", "update_given_caches"]
 
 
 def register_cache_pytree_for(model) -> None:
@@ -74,3 +74,39 @@ def _cache_keeping_tensors(values, context):
     cache = DynamicCache()
     cache.layers = layers
     return cache
+
+
+def update_given_caches(args: tuple, kwargs: dict, outputs):
+    """`outputs` with the DynamicCache the call was given in place of the one the graph returned, that given cache
+    holding the returned one's state: the eager model updates the cache it is passed in place and returns it, and a
+    decoding loop that keeps passing one cache object (`past_key_values=cache`) reads its update from there."""
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    if cache_utils is None:
+        return outputs
+    cache_type = cache_utils.DynamicCache
+    given = [value for value in (*args, *kwargs.values()) if isinstance(value, cache_type)]
+    if len(given) != 1:  # none, or several a returned cache could not be matched to
+        return outputs
+    (cache,) = given
+    if isinstance(outputs, dict):  # a ModelOutput, or a plain dict
+        keys = [key for key, value in outputs.items() if isinstance(value, cache_type)]
+        if len(keys) == 1 and outputs[keys[0]] is not cache:
+            _take_state(cache, outputs[keys[0]])
+            outputs[keys[0]] = cache
+    elif isinstance(outputs, tuple) and type(outputs) is tuple:
+        places = [i for i, value in enumerate(outputs) if isinstance(value, cache_type)]
+        if len(places) == 1 and outputs[places[0]] is not cache:
+            _take_state(cache, outputs[places[0]])
+            outputs = (*outputs[: places[0]], cache, *outputs[places[0] + 1 :])
+    return outputs
+
+
+def _take_state(cache, returned) -> None:
+    """Make `cache` hold `returned`'s layers, as its own `update()` calls would have: layer objects kept in place."""
+    for index, layer in enumerate(returned.layers):
+        if index < len(cache.layers) and type(cache.layers[index]) is type(layer):
+            cache.layers[index].__dict__.update(layer.__dict__)
+        elif index < len(cache.layers):
+            cache.layers[index] = layer
+        else:
+            cache.layers.append(layer)

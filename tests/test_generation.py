@@ -217,3 +217,26 @@ def test_a_module_swapped_between_generate_calls_is_seen_by_the_next(bf16, seede
     with torch.autocast("cpu", dtype=torch.bfloat16):
         expected = greedy(model, ids)
     assert torch.equal(tokens, expected)
+
+
+def _decode_with_one_cache_object(model, steps=4):
+    """HF's documented manual loop: one DynamicCache passed to every call, updated in place by the model."""
+    from transformers import DynamicCache
+
+    cache, tokens = DynamicCache(), []
+    with torch.no_grad():
+        out = model(input_ids=token_batch(1, 8, seed=3), past_key_values=cache, use_cache=True)
+        for _ in range(steps):
+            tokens.append(out.logits[:, -1:].argmax(-1))
+            out = model(input_ids=tokens[-1], past_key_values=cache, use_cache=True)
+    return torch.cat(tokens, 1), cache, out
+
+
+def test_a_cache_passed_to_every_call_is_updated_in_place_as_by_the_eager_model(decoder):
+    amp, model = decoder
+    tokens, cache, out = _decode_with_one_cache_object(amp)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, expected_cache, _ = _decode_with_one_cache_object(model)
+    assert out.past_key_values is cache  # the object passed in, as eager returns it
+    assert cache.get_seq_length() == expected_cache.get_seq_length() == 8 + 4
+    assert torch.equal(tokens, expected)
