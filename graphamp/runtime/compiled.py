@@ -176,6 +176,7 @@ def _fresh_outputs(graph_module: torch.fx.GraphModule) -> set[int]:
 
 
 def _owns_storage(node: torch.fx.Node) -> bool:
+    """Whether `node`'s value is storage the graph allocates, following views back to the value they view."""
     while True:
         if node.op == "call_function" and node.target is operator.getitem:
             node = node.args[0]  # an element of a multi-output op's result: as fresh as that op's outputs
