@@ -25,6 +25,7 @@ from torch import nn
 from graphamp.cache_pytree import update_given_caches
 from graphamp.capture import Captured, capture
 from graphamp.cast_pass import RewriteReport, check_level, insert_casts
+from graphamp.runtime.bound_ops import bind_ops
 from graphamp.runtime.checkpointing import checkpointed, marking_checkpoints, matching_modules
 from graphamp.runtime.compiled import CompiledGraph
 from graphamp.runtime.deferred_upcast import plain_arguments
@@ -337,6 +338,8 @@ class AmpModule(nn.Module):
         attend_grouped_queries(graph_to_run)
         compute_input_free_values(graph_to_run)
         runnable = checkpointed(graph_to_run)
+        if not self.compile:
+            bind_ops(runnable)
         captured.run = (
             CompiledGraph(
                 runnable, self.progress, timings, is_dynamic(captured.graph_module), self.compile_mode, self._recycled,

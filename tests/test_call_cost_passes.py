@@ -198,3 +198,23 @@ def test_a_compiled_llama_with_grouped_heads_and_a_kept_mask_trains_as_the_eager
     eager_parameters = dict(eager_model.named_parameters())
     for name, parameter in model.named_parameters():
         assert _relative_error(parameter.grad, eager_parameters[name].grad) < 3e-2, name
+
+
+def test_the_eager_graph_runs_fx_s_code_with_its_ops_bound_as_globals():
+    """Same outputs and gradients as fx's own code; `.code` stays fx's, and recompile() writes fx's forward back."""
+    torch.manual_seed(0)
+    ids = models.token_batch(2, 16)
+    amp = graphamp.rewrite(models.llama(), example_kwargs={"input_ids": ids, "labels": ids}, amp_lists=BF16)
+    amp(input_ids=ids, labels=ids)
+    run = amp.captures[-1].run
+    bound_names = type(run).forward.__code__.co_names
+    assert "ops" not in bound_names and any(name.startswith("_op_aten_") for name in bound_names)
+    assert "torch.ops.aten" in run.code  # what the inspection tools show is fx's
+
+    lifted = [source.get() for source in amp.captures[-1].lifted]
+    inputs = [*lifted, ids, ids]
+    bound = run(*inputs)
+    run.recompile()
+    assert "ops" in type(run).forward.__code__.co_names
+    fx_own = run(*inputs)
+    assert all(torch.equal(a, b) for a, b in zip(bound, fx_own))
