@@ -14,8 +14,8 @@ from graphamp.lists import op_lookup_keys
 
 __all__ = [
     "FP32_ACCUMULATING_OPS", "MODEL_CAST_OPS", "NORM_OPS", "RESHAPE_OPS", "TRACE_ASSERTS", "VIEW_OPS",
-    "aliased_inputs", "argument_value", "draws_random_numbers", "has_explicit_float_dtype", "norm_parameter_inputs", "set_argument",
-    "written_inputs",
+    "aliased_inputs", "argument_value", "draws_random_numbers", "has_explicit_float_dtype", "norm_parameter_inputs",
+    "set_argument", "written_inputs",
 ]
 
 aten = torch.ops.aten

@@ -88,9 +88,10 @@ class CompiledGraph:
             return outputs
         outputs = list(outputs)
         for i, dtype in self.cast_up:
-            cast = functools.partial(self.recycled.cast, i, dtype=dtype)
-            deferred = self._defers(i, outputs[i], dtype)
-            outputs[i] = deferred_upcast(outputs[i], dtype, cast) if deferred else cast(outputs[i])
+            if self._defers(i, outputs[i], dtype):
+                outputs[i] = deferred_upcast(outputs[i], dtype, functools.partial(self.recycled.cast, i, dtype=dtype))
+            else:
+                outputs[i] = self.recycled.cast(i, outputs[i], dtype)
         return outputs
 
     def _defers(self, index: int, value: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -111,9 +112,7 @@ def casts_up_outside(graph_module: torch.fx.GraphModule) -> tuple[torch.fx.Graph
     outside, the loss still reads the in-graph cast (fused into its kernel), the graph saves the bfloat16 value,
     and an unused output's cast is never differentiated.
     """
-    output = _output_of(graph_module.graph)
-    flat = output.args[0] if isinstance(output.args[0], (list, tuple)) else ()
-    up = {i: _cast_up_dtype(node) for i, node in enumerate(flat)}
+    up = {i: _cast_up_dtype(node) for i, node in enumerate(_output_values(graph_module.graph))}
     up = {i: dtype for i, dtype in up.items() if dtype is not None}
     if not up:
         return graph_module, []
@@ -142,8 +141,7 @@ def loss_apart(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule | Non
     cut from a graph break at HF's loss).
     """
     graph = graph_module.graph
-    output = _output_of(graph)
-    flat = output.args[0] if isinstance(output.args[0], (list, tuple)) else ()
+    flat = _output_values(graph)
     loss: set[torch.fx.Node] = set()
     for value in {node for node in flat if isinstance(node, torch.fx.Node) and node.op == "call_function"}:
         readers: set[torch.fx.Node] = set()
@@ -170,9 +168,10 @@ def _movable_into_loss(node: torch.fx.Node) -> bool:
 def _fresh_outputs(graph_module: torch.fx.GraphModule) -> set[int]:
     """The output positions cast up from a value the graph computes into storage of its own: not an input, a
     constant, or a view of one, which the caller could write into before a deferred cast reads it."""
-    output = _output_of(graph_module.graph)
-    flat = output.args[0] if isinstance(output.args[0], (list, tuple)) else ()
-    return {i for i, node in enumerate(flat) if _cast_up_dtype(node) is not None and _owns_storage(node.args[0])}
+    return {
+        i for i, node in enumerate(_output_values(graph_module.graph))
+        if _cast_up_dtype(node) is not None and _owns_storage(node.args[0])
+    }
 
 
 def _owns_storage(node: torch.fx.Node) -> bool:
@@ -239,6 +238,12 @@ def _on_compile_end(args: CallbackArgs) -> None:
     if running is not None:
         graph, what, phase = running
         graph.timings[what] = graph.timings.get(what, 0.0) + phase.end()
+
+
+def _output_values(graph: torch.fx.Graph) -> tuple | list:
+    """The values the graph returns, in order; empty if it returns a single value not in a list."""
+    output = _output_of(graph)
+    return output.args[0] if isinstance(output.args[0], (list, tuple)) else ()
 
 
 def _output_of(graph: torch.fx.Graph) -> torch.fx.Node:

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass, field
 import warnings
 import weakref
+from dataclasses import dataclass, field
 
 from graphamp.cache_pytree import register_cache_pytree
 from graphamp.errors import CaptureError
