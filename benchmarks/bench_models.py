@@ -1,5 +1,6 @@
 """The benchmark's models and batches: GPT-2-small-, BERT-base- and ResNet-50-shaped, full size on a GPU and
-scaled down on a CPU (same architecture, fewer layers and narrower, so a run takes minutes, not hours).
+scaled down on a CPU (same architecture, fewer layers and narrower, so a run takes minutes, not hours); "tiny"
+checks that a script runs (seconds a step even where bfloat16 is emulated), and measures nothing.
 
 Weights are random (built from configs); inputs are random tokens and images, a few batches in turn. Speed does
 not depend on the values, but one batch over and over would be memorised within a few steps, and the tiny
@@ -18,9 +19,11 @@ from torch import nn
 TRANSFORMER_SIZES = {
     "gpu": dict(layers=12, width=768, heads=12, vocab=50257, batch=8, seq=1024),
     "cpu": dict(layers=4, width=256, heads=4, vocab=8192, batch=8, seq=128),
+    "tiny": dict(layers=1, width=64, heads=2, vocab=512, batch=2, seq=32),
 }
 # (batch, image side) for the ResNet-50.
-RESNET_SIZES = {"gpu": dict(batch=64, side=224), "cpu": dict(batch=8, side=64)}
+RESNET_SIZES = {"gpu": dict(batch=64, side=224), "cpu": dict(batch=8, side=64), "tiny": dict(batch=2, side=32)}
+SIZES = tuple(TRANSFORMER_SIZES)
 
 
 @dataclass

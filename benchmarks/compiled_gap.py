@@ -1,17 +1,19 @@
 """What inductor runs for one compiled train step: graphamp+compile next to autocast+compile, counted from its code.
 
     PYTHONPATH=. python benchmarks/compiled_gap.py --models gpt2,bert --out /tmp/gap     # code and a table
-    PYTHONPATH=. python benchmarks/compiled_gap.py --models gpt2 --low-outputs
+    PYTHONPATH=. python benchmarks/compiled_gap.py --models gpt2 --layers 1 --width 64   # a quick check
 
 Wall-clock time on a shared CPU is noise; the generated code is not. For a small GPT-2/BERT (2 layers, width 256,
-bfloat16, CPU) each mode's forward and backward are compiled in a child process of its own and its output code is
-counted: fused kernels, extern matmul calls (and whether an operand is a transposed view), buffers allocated and
-their bytes (static sizes), the graph's inputs. The code itself is written to --out for reading side by side.
+bfloat16, CPU) each mode's forward and backward are compiled in a child process of its own (autocast: torch.compile
+under torch.autocast; graphamp: graphamp.rewrite(model, compile=True), the model converted in place) and its output
+code is counted: fused kernels, extern matmul calls (and whether an operand is a transposed view), buffers allocated
+and their bytes (static sizes), the graph's inputs. The code itself is written to --out for reading side by side.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import subprocess
@@ -30,12 +32,12 @@ def build(name: str):
     sys.path.insert(0, str(Path(__file__).parent))
     import bench_models
 
-    bench_models.TRANSFORMER_SIZES["tiny"] = SIZES
-    bench_models.RESNET_SIZES["tiny"] = bench_models.RESNET_SIZES["cpu"]
-    return bench_models.build(name, "tiny", "cpu")
+    bench_models.TRANSFORMER_SIZES["gap"] = SIZES
+    bench_models.RESNET_SIZES["gap"] = bench_models.RESNET_SIZES["cpu"]
+    return bench_models.build(name, "gap", "cpu")
 
 
-def child(name: str, mode: str, weight_cache: bool, out: Path, fp32_outputs: bool = True) -> dict:
+def child(name: str, mode: str, out: Path) -> dict:
     from torch._inductor.utils import run_and_get_code
 
     import graphamp
@@ -44,9 +46,8 @@ def child(name: str, mode: str, weight_cache: bool, out: Path, fp32_outputs: boo
     model, (inputs, target) = workload.model, workload.batches[0]
     if mode == "graphamp":
         lists = graphamp.AutoMixedPrecisionLists(dtype="bfloat16")
-        net = graphamp.rewrite(model, example_kwargs=inputs, amp_lists=lists, compile=True, weight_cache=weight_cache,
-                               fp32_outputs=fp32_outputs, progress=False)
-        context = torch.autocast("cpu", enabled=False)
+        net = graphamp.rewrite(model, amp_lists=lists, compile=True)  # compiled at the step, as autocast's
+        context = contextlib.nullcontext()
     else:
         net = torch.compile(model)
         context = torch.autocast("cpu", torch.bfloat16)
@@ -58,12 +59,10 @@ def child(name: str, mode: str, weight_cache: bool, out: Path, fp32_outputs: boo
 
     _, codes = run_and_get_code(step)
     tag = f"{name}-{mode}"
-    if mode == "graphamp":
-        tag += ("" if weight_cache else "-nocache") + ("" if fp32_outputs else "-lowout")
     out.mkdir(parents=True, exist_ok=True)
     for i, code in enumerate(codes):
         (out / f"{tag}-{i}.py").write_text(code)
-    return {"model": name, "mode": tag.split("-", 1)[1], "graphs": [summary(code) for code in codes]}
+    return {"model": name, "mode": mode, "graphs": [summary(code) for code in codes]}
 
 
 def summary(code: str) -> dict:
@@ -102,19 +101,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="gpt2,bert")
     parser.add_argument("--out", type=Path, default=Path("/tmp/compiled_gap"))
-    parser.add_argument("--weight-cache", action="store_true", help="rewrite(weight_cache=True); off by default")
-    parser.add_argument("--low-outputs", action="store_true", help="rewrite(fp32_outputs=False)")
-    parser.add_argument("--child", nargs=2, metavar=("MODEL", "MODE"))
+    parser.add_argument("--layers", type=int, default=SIZES["layers"])
+    parser.add_argument("--width", type=int, default=SIZES["width"])
+    parser.add_argument("--child", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    SIZES.update(layers=args.layers, width=args.width, heads=max(1, args.width // 64))
     if args.child:
-        result = child(*args.child, args.weight_cache, args.out, not args.low_outputs)
+        result = child(*args.child, args.out)
         print(RESULT_PREFIX + json.dumps(result))
         return
     rows = []
     for name in args.models.split(","):
         for mode in ("autocast", "graphamp"):
             command = [sys.executable, __file__, "--child", name, mode, "--out", str(args.out)]
-            command += ["--weight-cache"] * args.weight_cache + ["--low-outputs"] * args.low_outputs
+            command += ["--layers", str(args.layers), "--width", str(args.width)]
             done = subprocess.run(command, capture_output=True, text=True)
             lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
             if not lines:

@@ -24,9 +24,9 @@ from train_step import device_name, timed, write_results  # noqa: E402
 import graphamp  # noqa: E402
 
 
-def measure(name: str, dtype: str, tolerance: float, device: str) -> dict:
+def measure(name: str, dtype: str, tolerance: float, device: str, size: str | None = None) -> dict:
     torch.manual_seed(0)
-    workload = getattr(bench_models, name)("gpu" if device == "cuda" else "cpu")
+    workload = getattr(bench_models, name)(size or ("gpu" if device == "cuda" else "cpu"))
     model = workload.model.to(device)
     inputs, target = workload.batches[0]
     inputs = {k: v.to(device) for k, v in inputs.items()}
@@ -82,9 +82,10 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--tolerance", type=float, default=1e-3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--size", choices=bench_models.SIZES, help="bench_models.py's sizes (tiny: a check only)")
     parser.add_argument("--results", type=Path, help="write the table into this markdown file")
     args = parser.parse_args()
-    results = [measure(name, args.dtype, args.tolerance, args.device) for name in args.models.split(",")]
+    results = [measure(name, args.dtype, args.tolerance, args.device, args.size) for name in args.models.split(",")]
     heading = (
         f"doctor and auto_mixed_precision ({args.dtype}, tolerance {args.tolerance:g}) on {device_name(args.device)}, "
         f"torch {torch.__version__}, {datetime.date.today()}"

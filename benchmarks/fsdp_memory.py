@@ -1,13 +1,14 @@
-"""Per-rank peak memory of training under FSDP2: graphamp (regions) vs FSDP2's MixedPrecisionPolicy, 1 and 2 ranks.
+"""Per-rank peak memory of training under FSDP2: graphamp vs FSDP2's MixedPrecisionPolicy, 1 and 2 ranks.
 
     python benchmarks/fsdp_memory.py [--ranks 1 2] [--layers 6] [--width 512] [--results benchmarks/results/distributed.md]
 
-Each (mode, ranks) is a torchrun job of its own. Both modes shard every GPT-2 block and then the root and train
-with AdamW in bfloat16: "graphamp" rewrites the sharded model with regions="transformer.h.*" and decorates the
-optimizer; "mixed precision policy" passes MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) to
-fully_shard. On a GPU the peak is torch.cuda.max_memory_allocated; on a CPU (gloo) it is the process's peak
-resident memory (VmHWM, reset with /proc/self/clear_refs) above its resident memory when training starts,
-which also counts the allocator's caching: compare within one table.
+Each (mode, ranks) is a torchrun job of its own. Both modes shard every GPT-2 block and then the root and train with
+AdamW in bfloat16: "graphamp" converts the sharded model in place with graphamp.rewrite (torch.compile runs FSDP2's
+hooks inside the whole model's capture) and decorates the optimizer; "mixed precision policy" passes
+MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32) to fully_shard. On a GPU the peak is
+torch.cuda.max_memory_allocated; on a CPU (gloo) it is the process's peak resident memory (VmHWM, reset with
+/proc/self/clear_refs) above its resident memory when training starts, which also counts the allocator's caching:
+compare within one table.
 """
 
 from __future__ import annotations
@@ -57,10 +58,10 @@ def worker(mode: str, layers: int, width: int) -> None:
     tokens = torch.randint(0, 1024, (4, 128), device=device)
     if mode == "graphamp":
         lists = graphamp.AutoMixedPrecisionLists(dtype="bfloat16")
-        runner = graphamp.rewrite(model, (tokens,), {"labels": tokens}, amp_lists=lists, regions="transformer.h.*")
+        graphamp.rewrite(model, (tokens,), {"labels": tokens}, amp_lists=lists)
         optimizer = graphamp.decorate(torch.optim.AdamW(model.parameters(), lr=1e-4), lists)
     else:
-        runner, optimizer = model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
@@ -70,7 +71,7 @@ def worker(mode: str, layers: int, width: int) -> None:
             clear.write("5")  # VmHWM := VmRSS
         start = _status_mib("VmRSS")
     for _ in range(STEPS):
-        loss = runner(tokens, labels=tokens).loss
+        loss = model(tokens, labels=tokens).loss
         optimizer.zero_grad()
         if mode == "graphamp":
             optimizer.minimize(loss)

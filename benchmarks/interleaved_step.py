@@ -8,7 +8,8 @@ benchmarks/train_step.py runs each mode in a child process of its own, so that i
 2-core CPU used so far the same mode moved by up to 10-20% from one process to the next (memory placement), more
 than the differences measured. Here the three modes train copies of one model in one process, a few steps each in
 turn (the order alternating every round), and the median step time of each mode is compared: wall time and the
-process's CPU time. Memory is not measured here (train_step.py does that). CPU sizes from bench_models.py.
+process's CPU time. graphamp is graphamp.rewrite(copy, compile=...) of its copy; the compiled FP32 and autocast
+copies are torch.compile'd. Memory is not measured here (train_step.py does that). Sizes from bench_models.py.
 """
 
 from __future__ import annotations
@@ -30,17 +31,17 @@ from train_step import device_name
 MODES = ("fp32", "autocast", "graphamp")
 
 
-def steps_for(model_name: str, compiled: bool, device: str) -> dict:
+def steps_for(model_name: str, compiled: bool, device: str, size: str | None = None) -> dict:
     """One train-step function per mode, each on its own copy of the same weights."""
     torch.manual_seed(0)
-    workload = build(model_name, "gpu" if device == "cuda" else "cpu", device)
+    workload = build(model_name, size or ("gpu" if device == "cuda" else "cpu"), device)
     low = torch.bfloat16
     steps = {}
     for mode in MODES:
-        model = copy.deepcopy(workload.model)
+        model = copy.deepcopy(workload.model)  # before any rewrite: a copy of a rewritten model is rewritten too
         if mode == "graphamp":
             net = graphamp.rewrite(
-                model, example_kwargs=workload.batches[0][0], compile=compiled, progress=False,
+                model, example_kwargs=workload.batches[0][0], compile=compiled,
                 amp_lists=graphamp.AutoMixedPrecisionLists(dtype="bfloat16"),
             )
         else:
@@ -96,6 +97,7 @@ def main() -> None:
     parser.add_argument("--compiled-only", action="store_true")
     parser.add_argument("--eager-only", action="store_true")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--size", choices=("gpu", "cpu", "tiny"), help="bench_models.py's sizes (tiny: a check only)")
     args = parser.parse_args()
     kinds = [False] * (not args.compiled_only) + [True] * (not args.eager_only)
     print(f"{device_name(args.device)}, torch {torch.__version__}, {datetime.date.today()}; bfloat16; median of "
@@ -104,7 +106,7 @@ def main() -> None:
     print("|---|---|---:|---:|---:|---:|---:|")
     for model_name in args.models.split(","):
         for compiled in kinds:
-            t = measure(steps_for(model_name, compiled, args.device), args.rounds, args.steps, args.device)
+            t = measure(steps_for(model_name, compiled, args.device, args.size), args.rounds, args.steps, args.device)
             (fp32, _), (autocast, autocast_cpu), (amp, amp_cpu) = (t[mode] for mode in MODES)
             print(f"| {model_name} | {'compiled' if compiled else 'eager'} | {1e3 * fp32:.1f} | {1e3 * autocast:.1f} | "
                   f"{1e3 * amp:.1f} | {autocast / amp:.3f}× | {autocast_cpu / amp_cpu:.3f}× |", flush=True)

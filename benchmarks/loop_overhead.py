@@ -3,12 +3,12 @@
     PYTHONPATH=. python benchmarks/loop_overhead.py
     PYTHONPATH=. python benchmarks/loop_overhead.py --loops generate --rounds 5   # runs on the CPU, also on a GPU machine
 
-Each loop runs its mixed precision the way its users turn it on: autocast through `Trainer(bf16=True)`,
-Lightning's `precision="bf16-mixed"` and `torch.autocast` around `generate()`; graphamp as the module
-`graphamp.rewrite` returned, in FP32 settings. The model is the tiny Llama of per_call_overhead.py (width 64, 4
-layers, bfloat16, batch 2 x 32 tokens, one thread), so a step is the Python around its kernels: what each loop and
-each AMP adds per call. The two modes alternate in one process (rounds), and the median of the steps after the
-first few is compared; the ratio is the figure to read on a shared machine, the milliseconds are not.
+Each loop runs its mixed precision the way its users turn it on: autocast through `Trainer(bf16=True)`, Lightning's
+`precision="bf16-mixed"` and `torch.autocast` around `generate()`; graphamp as the model `graphamp.rewrite`
+converted in place, in FP32 settings. The model is the tiny Llama of per_call_overhead.py (width 64, 4 layers,
+bfloat16, batch 2 x 32 tokens, one thread), so a step is the Python around its kernels: what each loop and each AMP
+adds per call. The two modes alternate in one process (rounds), and the median of the steps after the first few is
+compared; the ratio is the figure to read on a shared machine, the milliseconds are not.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def _tokens(seed: int = 0) -> torch.Tensor:
 
 
 def _models(layers: int):
-    """The autocast model and graphamp's AmpModule of a model with the same weights."""
+    """Two models with the same weights: one for autocast, one for graphamp.rewrite to convert in place."""
     torch.manual_seed(0)
     autocast_model = tiny_llama(layers)
     graphamp_model = tiny_llama(layers)
@@ -125,7 +125,7 @@ def measure(loop: str, layers: int, rounds: int, steps: int) -> dict[str, float]
     example = {"input_ids": _tokens(), "labels": _tokens()}
     if loop == "trainer":  # the Trainer passes num_items_in_batch to a forward taking **kwargs
         example["num_items_in_batch"] = torch.tensor(float(BATCH * SEQ))
-    amp = graphamp.rewrite(graphamp_model, example_kwargs=example, amp_lists=LISTS, progress=False)
+    amp = graphamp.rewrite(graphamp_model, example_kwargs=example, amp_lists=LISTS)  # graphamp_model, converted
     runs = {
         "trainer": {
             "autocast": lambda: trainer_step_times(autocast_model, True, steps),

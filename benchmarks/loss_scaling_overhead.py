@@ -6,10 +6,13 @@
 Every step clips the gradients (clip_grad_norm_, max_norm 1.0) and steps AdamW, as Trainer and accelerate do:
 - fp32: no mixed precision;
 - autocast: torch.autocast, with GradScaler (and its unscale_) in float16;
-- unscale_ path: `opt.backward(loss); opt.unscale_(); clip; opt.step()` (graphamp before in-graph scaling);
-- in-graph: `loss.backward(); clip; opt.step()` with the AmpModule linked to the decorated optimizer.
+- unscale_ path: `opt.backward(loss); opt.unscale_(); clip; opt.step()`, the optimizer decorated before the model
+  is rewritten (so not linked to it: the loss is scaled by backward(loss));
+- in-graph: `loss.backward(); clip; opt.step()`, the model rewritten first, so that decorate() links the optimizer
+  to it and its graphs scale the gradients.
 On a GPU in float16; on a CPU in bfloat16 with dynamic loss scaling forced on (so that there is scaling to pay
-for), and only where the CPU runs bfloat16 natively (else timings say nothing about a real run).
+for), and only where the CPU runs bfloat16 natively (else timings say nothing about a real run; --anyway runs it
+there too, to check the script).
 """
 
 from __future__ import annotations
@@ -33,18 +36,20 @@ from train_step import device_name, timed  # noqa: E402
 MODES = ["fp32", "autocast", "unscale_ path", "in-graph"]
 
 
-def step_times(mode: str, compiled: bool, dtype: torch.dtype, device: str, steps: int, warmup: int) -> list[float]:
+def step_times(mode: str, compiled: bool, dtype: torch.dtype, device: str, steps: int, warmup: int,
+               size: str | None = None) -> list[float]:
     torch.manual_seed(0)
-    workload = build("gpt2", "gpu" if device == "cuda" else "cpu", device)
+    workload = build("gpt2", size or ("gpu" if device == "cuda" else "cpu"), device)
     model, batches = workload.model.to(device), workload.batches
     batches = [({k: v.to(device) for k, v in inputs.items()}, target) for inputs, target in batches]
     adamw = torch.optim.AdamW(model.parameters(), lr=1e-5)
     if mode.startswith(("unscale", "in-graph")):
         lists = graphamp.AutoMixedPrecisionLists(dtype=dtype)
-        net = graphamp.rewrite(model, example_kwargs=batches[0][0], amp_lists=lists, compile=compiled, progress=False)
-        opt = graphamp.decorate(adamw, lists, use_dynamic_loss_scaling=True)
-        if mode.startswith("unscale"):
-            net._linked_optimizer = None  # the old path: the loss is scaled by backward(loss)
+        if mode.startswith("unscale"):  # decorated first: no rewritten model holds its parameters yet, no link
+            opt = graphamp.decorate(adamw, lists, use_dynamic_loss_scaling=True)
+        net = graphamp.rewrite(model, example_kwargs=batches[0][0], amp_lists=lists, compile=compiled)
+        if mode.startswith("in-graph"):  # decorated after rewrite(): linked, the graphs scale the gradients
+            opt = graphamp.decorate(adamw, lists, use_dynamic_loss_scaling=True)
     else:
         net = torch.compile(model) if compiled else model
         opt = adamw
@@ -65,6 +70,8 @@ def step_times(mode: str, compiled: bool, dtype: torch.dtype, device: str, steps
             scaler.unscale_(opt)
         else:
             loss.backward()
+        if mode in ("unscale_ path", "in-graph"):  # each path is the one it is named after
+            assert opt._iteration.scaled_in_graph == (mode == "in-graph"), f"{mode}: the gradients took the other path"
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         if scaler is not None:
             scaler.step(opt)
@@ -81,15 +88,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--size", choices=("gpu", "cpu", "tiny"), help="bench_models.py's sizes (tiny: a check only)")
+    parser.add_argument("--anyway", action="store_true",
+                        help="run on a CPU without native bfloat16 (to check the script)")
     args = parser.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.float16 if device == "cuda" else torch.bfloat16
-    if device == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if device == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported() and not args.anyway:
         print(f"{device_name(device)} has no native bfloat16: CPU timings would mean nothing; run on a GPU.")
         return
     rows = []
     for compiled in [False] if args.no_compile else [False, True]:
-        medians = {m: statistics.median(step_times(m, compiled, dtype, device, args.steps, args.warmup)) for m in MODES}
+        medians = {m: statistics.median(step_times(m, compiled, dtype, device, args.steps, args.warmup, args.size))
+                   for m in MODES}
         for mode in MODES:
             rows.append((("compiled " if compiled else "eager ") + mode, medians[mode],
                          medians[mode] / medians["fp32"], medians[mode] / medians["autocast"],

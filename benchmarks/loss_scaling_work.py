@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_models import build  # noqa: E402
-from graphamp.loss_scaler import LossScaler  # noqa: E402
-from graphamp.runtime.in_graph_scaling import unscale_gradients  # noqa: E402
+from graphamp.training.in_graph_scaling import unscale_gradients  # noqa: E402
+from graphamp.training.loss_scaler import LossScaler  # noqa: E402
 from train_step import device_name  # noqa: E402
 
 

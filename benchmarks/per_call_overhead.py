@@ -4,11 +4,12 @@
     PYTHONPATH=. python benchmarks/per_call_overhead.py --layers 4 --profile # and cProfile's top functions
 
 A tiny Llama (width 64, float32 weights, bfloat16 compute, batch 2 x 32 tokens) is so small that a step's time is
-the Python around its kernels: graphamp's AmpModule call (which capture serves the call, is the model unchanged)
-against autocast's dispatch. The two run in one process, rounds round-robin, median; on a shared machine the
-ratio is the figure to read, the milliseconds are not. The step is forward, backward and SGD (AdamW adds the same
-time to both). One intra-op thread by default (--threads): the overhead is single-threaded Python, and a tiny
-kernel's OpenMP fork-join on a loaded machine is noise in both modes.
+the Python around its kernels: the call of the model graphamp.rewrite converted (torch.compile's guards, dynamo's
+frame and graphamp's check of the call; the graphs run as fx code) against autocast's dispatch. The two run in one
+process, rounds round-robin, median; on a shared machine the ratio is the figure to read, the milliseconds are not.
+The step is forward, backward and SGD (AdamW adds the same time to both). One intra-op thread by default
+(--threads): the overhead is single-threaded Python, and a tiny kernel's OpenMP fork-join on a loaded machine is
+noise in both modes.
 """
 
 from __future__ import annotations
@@ -49,7 +50,6 @@ def steps_for(layers: int) -> dict:
     graphamp_model.load_state_dict(autocast_model.state_dict())
     amp = graphamp.rewrite(
         graphamp_model, example_kwargs=batch, amp_lists=graphamp.AutoMixedPrecisionLists(dtype="bfloat16"),
-        weight_cache=False, progress=False,
     )
 
     def step_of(net, optimizer, autocast: bool):

@@ -3,11 +3,12 @@
 Each op's *self* time (device time on a GPU: the kernels it launched itself; CPU time on a CPU) goes to the
 group of its nearest enclosing op or range that names one:
 
-- casts: `aten::_to_copy` (autocast's and graphamp's casts) and `aten::_foreach_copy_` (the weight cache's recast);
+- casts: `aten::_to_copy` (autocast's casts, and graphamp's in its graphs run as fx code);
 - loss scaling: `aten::_amp_*` (inf/NaN check, unscale, scale update) and the `LOSS_SCALING` range around the
   benchmark's scaler step and update, less the optimizer inside it;
 - optimizer: torch's `Optimizer.step#...` ranges;
-- other: the rest (forward and backward math, inductor's fused kernels, which hide the casts they fuse).
+- other: the rest (forward and backward math, inductor's fused kernels, which hide the casts they fuse: in the
+  compiled modes casts ms is what inductor left as kernels of their own).
 
 `busy` is the device's summed kernel time over the wall time of the profiled steps: what is not busy is launch
 overhead and host syncs (the device waiting for Python).
@@ -23,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 LOSS_SCALING = "benchmark: loss scaling"
 GROUPS = ("casts", "optimizer", "loss scaling", "other")
-_CAST_OPS = ("aten::_to_copy", "aten::_foreach_copy_")
+_CAST_OPS = ("aten::_to_copy",)
 
 
 def group_of(name: str) -> str | None:

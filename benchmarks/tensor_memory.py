@@ -32,7 +32,7 @@ def peak_tensor_bytes(step) -> int:
 
 def _alive_cpu_storage_bytes() -> int:
     """Each CPU storage reachable from Python once: tensors' (parameters, gradients, optimizer state, buffers) and
-    storages held on their own (graphamp's recycled outputs)."""
+    storages held on their own."""
     seen: dict[int, int] = {}
     with warnings.catch_warnings():  # isinstance() on deprecated module attributes warns
         warnings.simplefilter("ignore")

@@ -6,9 +6,13 @@
     python benchmarks/train_step.py --models gpt2 --modes autocast,graphamp --profile --trace-dir traces/
     python benchmarks/train_step.py --micro-batches 4 --fused --compile-mode reduce-overhead
 
-On a CPU the models are scaled down and run in bfloat16; on a GPU they are full size and run in float16 (with
-loss scaling: GradScaler for autocast, graphamp.decorate for graphamp) and bfloat16. Each (model, mode, dtype)
-runs in a child process of its own, so that its peak memory and its compile caches are its own.
+The five modes: FP32 eager; torch.autocast eager; torch.autocast + torch.compile; graphamp, the model converted
+in place by graphamp.rewrite(model, compile=False) (dynamo captures, graphamp's passes cast, each graph runs as fx
+code); graphamp + compile, rewrite(model, compile=True) (the same graphs compiled by inductor). --compile-mode is
+torch.compile's mode= for both compiled modes. On a CPU the models are scaled down and run in bfloat16; on a GPU
+they are full size and run in float16 (with loss scaling: GradScaler for autocast, graphamp.decorate for graphamp,
+which scales the gradients inside the rewritten model's graphs) and bfloat16. Each (model, mode, dtype) runs in a
+child process of its own, so that its peak memory and its compile caches are its own.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import argparse
 import contextlib
 import ctypes
 import datetime
+import importlib
 import itertools
 import json
 import platform
@@ -47,20 +52,22 @@ def measure(model_name: str, mode: str, dtype_name: str, device: str, steps: int
 
     import graphamp
     from bench_models import build
-    from graphamp.inspection.recording import DtypeRecorder
+    from recorded_casts import recording
     from step_profile import loss_scaling_range, profile_steps
     from tensor_memory import peak_tensor_bytes
 
-    # torch's capture and compile stacks are libraries too: loaded (and export run once) in every mode before the
-    # baseline, so that the peak counts what training holds, not which of torch's code a mode happened to run first.
+    # On a CPU, where peak memory is resident memory: torch's capture and compile stacks are libraries too, loaded
+    # (and export run once) in every mode before the baseline, so that the peak counts what training holds, not
+    # which of torch's code a mode happened to run first. CUDA counts tensors only: no need, and seconds saved.
     before_stacks_mib = _resident_mib("VmRSS")
-    import torch._inductor.compile_fx  # noqa: F401
-    import torch.export._trace  # noqa: F401
+    if device != "cuda":
+        for stack in ("torch._dynamo", "torch._inductor.compile_fx", "torch.export._trace"):
+            importlib.import_module(stack)  # not `import torch.x`: that would make `torch` local to measure()
 
-    _first_use_of_export()
+        _first_use_of_export()
     stacks_mib = _resident_mib("VmRSS") - before_stacks_mib
     baseline_mib = 0.0 if device == "cuda" else _resident_mib("VmRSS")  # torch's own libraries, on a CPU
-    workload = build(model_name, "gpu" if device == "cuda" else "cpu", device)
+    workload = build(model_name, options.get("size") or ("gpu" if device == "cuda" else "cpu"), device)
     model, batches = workload.model, workload.batches
     low = getattr(torch, dtype_name)
     compiled = mode.endswith("+compile")
@@ -74,14 +81,15 @@ def measure(model_name: str, mode: str, dtype_name: str, device: str, steps: int
     if mode.startswith("graphamp"):
         lists = graphamp.AutoMixedPrecisionLists(dtype=dtype_name)
         started = time.perf_counter()
+        # Converts `model` in place and compiles it ahead on the first batch: rewrite_s is dynamo's capture and
+        # graphamp's passes (and inductor's compile of the forward, for graphamp+compile).
         net = graphamp.rewrite(
             model, example_kwargs=batches[0][0], amp_lists=lists, compile=compiled,
-            weight_cache=options.get("weight_cache", False), fp32_outputs=options.get("fp32_outputs", True),
-            compile_mode=options.get("compile_mode") if compiled else None,
+            mode=options.get("compile_mode") if compiled else None,
         )
         result["rewrite_s"] = time.perf_counter() - started
         if low == torch.float16:
-            optimizer = graphamp.decorate(optimizer, lists)
+            optimizer = graphamp.decorate(optimizer, lists)  # after rewrite(): linked, scaled inside the graphs
         autocast = contextlib.nullcontext
     else:
         net = torch.compile(model, mode=options.get("compile_mode")) if compiled else model
@@ -95,14 +103,14 @@ def measure(model_name: str, mode: str, dtype_name: str, device: str, steps: int
         inputs, target = next_batch()
         with autocast():
             loss = workload.loss(net(**inputs), target)
-        if isinstance(optimizer, graphamp.optimizer.OptimizerWithMixedPrecision):
+        if isinstance(optimizer, graphamp.OptimizerWithMixedPrecision):
             optimizer.backward(loss)
         else:
             (scaler.scale(loss) if scaler is not None else loss).backward()
         return loss
 
     def step():
-        for _ in range(micro_batches):  # gradient accumulation: the weight cache casts once for them all
+        for _ in range(micro_batches):  # gradient accumulation: one optimizer step for them all
             forward_backward()
         with loss_scaling_range() if profiling else contextlib.nullcontext():
             if scaler is not None:
@@ -126,9 +134,13 @@ def measure(model_name: str, mode: str, dtype_name: str, device: str, steps: int
     result["compile_s"] = result["first_step_s"] - result["step_s"] if compiled else None
 
     if not compiled:  # inductor fuses casts into its kernels: no cast runs as a kernel of its own there
-        with DtypeRecorder() as recorder:
-            step()  # a whole step: the weight cache's recast after the last step counts too
-        result["casts"] = recorder.casts
+        try:
+            with recording(net) as recorder:  # recorded_casts.py: graphamp's graphs included
+                step()  # a whole step: forward, backward, loss scaling and optimizer
+            result["casts"] = recorder.casts
+        except RuntimeError as error:
+            result["casts"] = "n/a"
+            print(f"casts not counted: {error}", file=sys.stderr)
     if options.get("profile"):
         profiling = True
         trace_dir = options.get("trace_dir")
@@ -194,12 +206,15 @@ def run_child(args, model_name: str, mode: str, dtype_name: str) -> dict:
         "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
         "--micro-batches", str(args.micro_batches),
     ]
-    command += ["--fused"] * args.fused + ["--weight-cache"] * args.weight_cache + ["--profile"] * args.profile
-    command += ["--low-outputs"] * args.low_outputs
+    command += ["--size", args.size] if args.size else []
+    command += ["--fused"] * args.fused + ["--profile"] * args.profile
     command += ["--compile-mode", args.compile_mode] if args.compile_mode else []
     command += ["--trace-dir", str(args.trace_dir)] if args.trace_dir else []
     print(f"  {model_name:9s} {mode:17s} {dtype_name} ...", file=sys.stderr, flush=True)
-    done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"model": model_name, "mode": mode, "dtype": dtype_name, "error": [f"timed out after {args.timeout} s"]}
     for line in done.stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
             return json.loads(line.removeprefix(RESULT_PREFIX))
@@ -236,7 +251,7 @@ def table(results: list[dict], device: str, name: str) -> str:
     peak = bf16_peak(name) if device == "cuda" else None
     by_key = {(r["model"], r["mode"]): r for r in results}
     tensors = any("tensor_mib" in r for r in results)
-    unit = {r["model"]: r.get("unit", "items") for r in results}
+    unit = {r["model"]: r["unit"] for r in results if "unit" in r}
     rows = [
         "| model | mode | step ms | spread | × FP32 speed | × autocast speed | items/s | peak MiB | memory / autocast "
         + ("| tensor MiB | tensors / autocast " if tensors else "")
@@ -279,9 +294,8 @@ def table(results: list[dict], device: str, name: str) -> str:
 def _options_line(args) -> str:
     """The flags that change what a step is, in words, for the table's heading."""
     said = [f"{args.micro_batches} micro-batches per step" if args.micro_batches > 1 else ""]
-    said += ["fused AdamW" if args.fused else "", "graphamp with its weight cache" if args.weight_cache else ""]
+    said += ["fused AdamW" if args.fused else ""]
     said += [f"compile mode {args.compile_mode}" if args.compile_mode else ""]
-    said += ["graphamp with fp32_outputs=False (outputs in the model's dtypes, as under autocast)" if args.low_outputs else ""]
     said = [s for s in said if s]
     return f"Options: {', '.join(said)}. " if said else ""
 
@@ -306,11 +320,15 @@ def write_results(path: Path, key: str, block: str) -> None:
 
 
 def main() -> None:
+    from bench_models import SIZES
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {MODELS}")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {MODES}")
     parser.add_argument("--dtypes", default=None, help="default: bfloat16 on CPU; float16,bfloat16 on CUDA")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--size", choices=SIZES, help="model sizes (bench_models.py): default gpu on CUDA, else cpu; "
+                        "tiny checks that the script runs and measures nothing")
     parser.add_argument("--steps", type=int, default=20, help="timed steps after warm-up (the median is reported)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first; the first one compiles")
     parser.add_argument(
@@ -321,22 +339,22 @@ def main() -> None:
     parser.add_argument("--results", type=Path, help="write the tables into this markdown file")
     parser.add_argument("--micro-batches", type=int, default=1, help="backwards accumulated per optimizer step")
     parser.add_argument("--fused", action="store_true", help="AdamW(fused=True): found_inf stays on the device")
-    parser.add_argument("--weight-cache", action="store_true", help="graphamp keeps its weight casts between forwards")
-    parser.add_argument(
-        "--low-outputs", action="store_true",
-        help="rewrite(fp32_outputs=False): logits come back bfloat16/float16 as under autocast, not cast up to float32",
-    )
-    parser.add_argument("--compile-mode", help='torch.compile mode of the +compile modes, e.g. "reduce-overhead"')
+    parser.add_argument("--weight-cache", "--low-outputs", dest="gone", action="append_const", const=True,
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--compile-mode", help='torch.compile mode= of the +compile modes, e.g. "reduce-overhead"')
     parser.add_argument("--profile", action="store_true", help="also a table of where the time goes (torch.profiler)")
     parser.add_argument("--trace-dir", type=Path, help="with --profile: a Chrome trace per (model, mode, dtype) here")
     parser.add_argument("--child", nargs=3, metavar=("MODEL", "MODE", "DTYPE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.gone:
+        parser.error("--weight-cache and --low-outputs are gone since graphamp 0.3: rewrite() runs the model under "
+                     "torch.compile, where inductor fuses the weight casts into its kernels and each graph returns "
+                     "the dtypes the model's own code gives.")
 
     if args.child:
         options = {
-            "micro_batches": args.micro_batches, "fused": args.fused, "weight_cache": args.weight_cache,
-            "compile_mode": args.compile_mode, "profile": args.profile, "trace_dir": args.trace_dir,
-            "fp32_outputs": not args.low_outputs,
+            "micro_batches": args.micro_batches, "fused": args.fused, "compile_mode": args.compile_mode,
+            "profile": args.profile, "trace_dir": args.trace_dir, "size": args.size,
         }
         if args.trace_dir:
             args.trace_dir.mkdir(parents=True, exist_ok=True)
@@ -346,40 +364,54 @@ def main() -> None:
 
     dtypes = (args.dtypes or ("float16,bfloat16" if args.device == "cuda" else "bfloat16")).split(",")
     name = device_name(args.device)
+    for dtype_name in dtypes:
+        runs = [(model_name, mode) for model_name in args.models.split(",") for mode in args.modes.split(",")]
+        done = {run: [] for run in runs}
+        for _ in range(args.repeats):
+            for model_name, mode in runs:
+                done[(model_name, mode)].append(run_child(args, model_name, mode, dtype_name))
+                results = [median_round(done[run]) for run in runs if done[run]]
+                if args.results:  # after every child: a run cut short (an outer timeout) keeps what it measured
+                    missing = sum(args.repeats - len(rounds) for rounds in done.values())
+                    write_results(args.results, f"{args.device} {dtype_name}",
+                                  _block(args, name, dtype_name, results, missing, raw=True))
+        print("\n" + _block(args, name, dtype_name, results, 0) + "\n")
+
+
+def _block(args, name: str, dtype_name: str, results: list[dict], missing: int, raw: bool = False) -> str:
+    """The markdown for one device and dtype: heading, table, profile table, and the raw results if asked."""
     import transformers
 
-    for dtype_name in dtypes:
-        runs = [
-            (model_name, mode) for model_name in args.models.split(",") for mode in args.modes.split(",")
-        ]
-        rounds = [[run_child(args, model_name, mode, dtype_name) for model_name, mode in runs] for _ in range(args.repeats)]
-        results = [median_round(list(same_run)) for same_run in zip(*rounds)]
-        heading = (
-            f"### {name}: {dtype_name}\n\ntorch {torch.__version__}, transformers {transformers.__version__}, "
-            f"{datetime.date.today().isoformat()}. Step time: median of {args.steps} train steps (forward, backward, "
-            f"AdamW) after {args.warmup} warm-up steps, in a child process per mode; the modes ran round-robin "
-            f"{args.repeats} times and the median round is shown, with the spread of the rounds (max − min, "
-            f"relative) next to it. {_options_line(args)}Peak memory: "
-            + ("`torch.cuda.max_memory_allocated`." if args.device == "cuda" else
-               "the process's peak resident memory during the timed steps (after freed memory is handed back to the "
-               "OS), less its resident memory before the model was built: torch's libraries, with its capture and "
-               f"compile stacks (torch.export, inductor: {_stacks(results)} MiB, imported, and export run once on a "
-               "tiny module, in every mode first). Tensor MiB: CPU tensor storage alive when a step starts plus "
-               "the most the step allocates beyond that at once, from torch.profiler's allocation events "
-               "(benchmarks/tensor_memory.py); it does not move with glibc's heap as resident memory does.")
-            + "\n"
-        )
-        block = heading + "\n" + table(results, args.device, name)
-        if args.profile:
-            from step_profile import table as profile_table
+    heading = (
+        f"### {name}: {dtype_name}\n\ntorch {torch.__version__}, transformers {transformers.__version__}, "
+        f"{datetime.date.today().isoformat()}. Step time: median of {args.steps} train steps (forward, backward, "
+        f"AdamW) after {args.warmup} warm-up steps, in a child process per mode; the modes ran round-robin "
+        f"{args.repeats} times and the median round is shown, with the spread of the rounds (max − min, "
+        f"relative) next to it. graphamp: `graphamp.rewrite(model, compile=False)`, graphamp + compile: "
+        f"`rewrite(model, compile=True)`. {_options_line(args)}Peak memory: "
+        + ("`torch.cuda.max_memory_allocated`." if args.device == "cuda" else
+           "the process's peak resident memory during the timed steps (after freed memory is handed back to the "
+           "OS), less its resident memory before the model was built: torch's libraries, with its capture and "
+           f"compile stacks (dynamo, torch.export, inductor: {_stacks(results)} MiB, imported, and export run once on "
+           "a tiny module, in every mode first). Tensor MiB: CPU tensor storage alive when a step starts plus "
+           "the most the step allocates beyond that at once, from torch.profiler's allocation events "
+           "(benchmarks/tensor_memory.py); it does not move with glibc's heap as resident memory does.")
+        + "\n"
+    )
+    block = heading + "\n" + table(results, args.device, name)
+    if args.size == "tiny":
+        block = "(tiny models: a check that the script runs, not a measurement)\n\n" + block
+    if missing:
+        block = f"(incomplete: {missing} (model, mode) run(s) still to come when this was written)\n\n" + block
+    if args.profile:
+        from step_profile import table as profile_table
 
-            block += "\n\nWhere the time goes (torch.profiler, per step; see benchmarks/step_profile.py):\n\n"
-            block += profile_table(results)
-        print("\n" + block + "\n")
-        if args.results:
-            write_results(args.results, f"{args.device} {dtype_name}", block + "\n\n<details><summary>raw</summary>\n\n"
-                          + "```json\n" + json.dumps(results, indent=1) + "\n```\n</details>")
-
+        block += "\n\nWhere the time goes (torch.profiler, per step; see benchmarks/step_profile.py):\n\n"
+        block += profile_table(results)
+    if raw:
+        raw_json = json.dumps(results, indent=1)
+        block += f"\n\n<details><summary>raw</summary>\n\n```json\n{raw_json}\n```\n</details>"
+    return block
 
 if __name__ == "__main__":
     here = Path(__file__).resolve().parent

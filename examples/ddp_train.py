@@ -78,7 +78,7 @@ def save_checkpoint(directory: Path, step: int, model, optimizer, device) -> Non
         directory.mkdir(parents=True, exist_ok=True)
         checkpoint = {
             "step": step,
-            "model": model.module.state_dict(),  # the original model's keys: loads into it without graphamp
+            "model": model.module.state_dict(),  # the model's own keys: loads into a DigitsCNN without graphamp
             "optimizer": optimizer.state_dict(),  # includes "loss_scaler": scale and good/bad step counters
             "rng_states": rng_states,
         }
@@ -136,8 +136,8 @@ def main():
 
     amp_lists = graphamp.AutoMixedPrecisionLists(dtype=dtype)
     example = (train_images[: args.batch_size].to(device), train_labels[: args.batch_size].to(device))
-    amp_model = graphamp.rewrite(DigitsCNN(args.width).to(device), example, amp_lists=amp_lists)
-    model = DistributedDataParallel(amp_model, device_ids=[device.index] if device.type == "cuda" else None)
+    net = graphamp.rewrite(DigitsCNN(args.width).to(device), example, amp_lists=amp_lists)  # in place: the same net
+    model = DistributedDataParallel(net, device_ids=[device.index] if device.type == "cuda" else None)
     if args.comm_hook:
         model.register_comm_hook(None, COMM_HOOKS[args.comm_hook])
     optimizer = graphamp.decorate(
@@ -167,7 +167,7 @@ def main():
 
     if rank == 0:
         test_images, test_labels = test_data
-        print(f"test accuracy {accuracy(amp_model, (test_images.to(device), test_labels.to(device))):.3f}", flush=True)
+        print(f"test accuracy {accuracy(net, (test_images.to(device), test_labels.to(device))):.3f}", flush=True)
     dist.barrier()  # rank 1 must not tear down gloo while rank 0 is still evaluating: that can hang rank 0's exit
     # DDP's reducer holds the group. Freed at exit, it would run gloo's destructor with the GIL held while gloo's
     # worker thread waits for the GIL to free a finished work: a deadlock (pytorch/pytorch#56297). Freed first,

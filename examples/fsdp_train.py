@@ -3,11 +3,13 @@
     torchrun --nproc_per_node=2 examples/fsdp_train.py [--steps 30] [--layers 4] [--dtype bfloat16|float16]
         [--checkpoint-dir DIR] [--resume DIR]
 
-FSDP2's documented order: fully_shard(block) for each block, fully_shard(model), then graphamp.rewrite (it
-calls the sharded blocks as modules on its own) and decorate(AdamW(model.parameters())). Each block runs its
-own rewritten graph inside its module call, where FSDP2 all-gathers its parameters; between steps every rank holds 1/world of them.
-Checkpoints go through torch.distributed.checkpoint (DCP): each rank writes its shards. The data is a synthetic
-next-token task (sequences counting upwards modulo the vocabulary), so the loss falls within a few dozen steps.
+FSDP2's documented order: fully_shard(block) for each block, fully_shard(model), then graphamp.rewrite(model) and
+decorate(AdamW(model.parameters())). FSDP2's hooks run outside torch.compile's graphs (torch disables dynamo in
+them), so each block's forward is a graph of its own, run after FSDP2 has all-gathered the block's parameters
+(the twin blocks share one), and GPT-2's head and loss are another; between steps every rank holds 1/world of
+the parameters. Checkpoints go through torch.distributed.checkpoint (DCP): each rank writes its shards. The data
+is a synthetic next-token task (sequences counting upwards modulo the vocabulary), so the loss falls within a few
+dozen steps.
 """
 
 import argparse
@@ -60,17 +62,18 @@ def main():
     torch.manual_seed(0)  # FSDP2 broadcasts nothing: every rank builds the same weights
     config = GPT2Config(
         n_layer=args.layers, n_head=4, n_embd=args.width, vocab_size=VOCAB, n_positions=SEQUENCE, use_cache=False,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
     )
     model = GPT2LMHeadModel(config).to(device)
     for block in model.transformer.h:
         fully_shard(block)
     fully_shard(model)
 
-    amp_lists = graphamp.AutoMixedPrecisionLists(dtype=dtype)
+    # The head in FP32, named by the model's own path.
+    amp_lists = graphamp.AutoMixedPrecisionLists(dtype=dtype, custom_black_modules=["lm_head"])
     tokens = batch(0, args.batch_size, device)
-    amp_model = graphamp.rewrite(model, (tokens,), {"labels": tokens}, amp_lists=amp_lists)
-    optimizer = graphamp.decorate(torch.optim.AdamW(amp_model.parameters(), lr=args.lr), amp_lists)
+    graphamp.rewrite(model, (tokens,), {"labels": tokens}, amp_lists=amp_lists)  # in place: the same model
+    optimizer = graphamp.decorate(torch.optim.AdamW(model.parameters(), lr=args.lr), amp_lists)
 
     step = 0
     if args.resume:
@@ -82,7 +85,7 @@ def main():
 
     while step < args.steps:
         tokens = batch(step, args.batch_size, device)
-        loss = amp_model(tokens, labels=tokens).loss
+        loss = model(tokens, labels=tokens).loss
         optimizer.zero_grad()
         optimizer.minimize(loss)
         step += 1

@@ -4,10 +4,12 @@
 
 FP32, torch.autocast and graphamp train from the same weights; the table gives each one's speed against FP32.
 --fused: AdamW(fused=True), whose step takes found_inf on the device (no host sync per step).
---compile [--compile-mode reduce-overhead]: torch.compile for all three (CUDA graphs with reduce-overhead).
+--compile [--compile-mode reduce-overhead]: inductor for all three (CUDA graphs with reduce-overhead); without it
+graphamp's graphs run as fx code and the other two eagerly.
 
 graphamp runs bfloat16 on CPU (fast on CPUs with AVX512-BF16/AMX) and float16 on CUDA, where
-`graphamp.decorate` adds the dynamic loss scaling float16 needs.
+`graphamp.decorate` adds the dynamic loss scaling float16 needs. `graphamp.rewrite` converts the model in place
+(it stays a DigitsCNN), so the training loop is the FP32 one: `loss.backward(); optimizer.step()`.
 """
 
 import argparse
@@ -22,7 +24,7 @@ from sklearn.datasets import load_digits
 from torch import nn
 
 import graphamp
-from graphamp.dtypes import cpu_runs_bfloat16_natively
+from graphamp.policy.dtypes import cpu_runs_bfloat16_natively
 
 
 class DigitsCNN(nn.Module):
@@ -99,7 +101,7 @@ def main():
     train_data, test_data = load_data(device)
     fp32_model = DigitsCNN().to(device)
     autocast_model = copy.deepcopy(fp32_model)  # same initial weights for a fair comparison
-    amp_model_source = copy.deepcopy(fp32_model)
+    amp_model = copy.deepcopy(fp32_model)  # copied before rewrite(): a copy of a rewritten model is rewritten too
     compiled = (lambda m: torch.compile(m, mode=args.compile_mode)) if args.compile else (lambda m: m)
 
     def adamw(model):
@@ -125,13 +127,12 @@ def main():
 
     amp_lists = graphamp.AutoMixedPrecisionLists(dtype=dtype)
     example = (train_data[0][: args.batch_size], train_data[1][: args.batch_size])
-    amp_model = graphamp.rewrite(
-        amp_model_source, example, amp_lists=amp_lists, compile=args.compile, compile_mode=args.compile_mode
-    )
+    # In place, as nn.Module.compile: the model itself now runs mixed precision, compiled ahead on the example.
+    graphamp.rewrite(amp_model, example, amp_lists=amp_lists, compile=args.compile, mode=args.compile_mode)
+    # Decorated after rewrite(), the optimizer is linked to the model: float16's loss scaling runs inside its
+    # graphs, so the plain loss.backward() leaves true gradients and step() skips on inf/NaN.
     optimizer = graphamp.decorate(adamw(amp_model), amp_lists)
-    runs["graphamp " + dtype] = amp_model, train(
-        amp_model, optimizer, train_data, args.epochs, args.batch_size, optimizer.minimize
-    )
+    runs["graphamp " + dtype] = amp_model, train(amp_model, optimizer, train_data, args.epochs, args.batch_size)
 
     options = ", ".join(f"{flag}" for flag, on in [("fused AdamW", args.fused), ("compiled", args.compile)] if on)
     print(f"digits CNN, {args.epochs} epochs, batch {args.batch_size}, device {device}, torch {torch.__version__}"
@@ -143,7 +144,8 @@ def main():
         print(f"{name:<22}{accuracy(model, test_data):>15.3f}{loss:>12.4f}{1e3 * step:>12.2f}{fp32_step / step:>10.2f}")
     if device.type == "cpu" and dtype == "bfloat16" and not cpu_runs_bfloat16_natively():
         print("(this CPU has no native bfloat16 (AVX512-BF16/AMX): bfloat16 runs emulated, slower than FP32 here)")
-    print(amp_model.report)
+    for graph in graphamp.rewritten_graphs(amp_model):  # one per graph dynamo captured (train, eval, ...)
+        print(graph.report)
     print(f"loss scale {optimizer.get_loss_scaling():g}, skipped steps {optimizer.skipped_steps}")
 
 

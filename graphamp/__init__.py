@@ -1,33 +1,30 @@
-"""graphamp: static-graph automatic mixed precision for PyTorch.
+"""graphamp: static-graph automatic mixed precision for PyTorch, in the style of Paddle's AMP.
 
-The pipeline: lists (`AutoMixedPrecisionLists`) → capture (torch.export) → cast pass → `AmpModule`
-(`rewrite`) → loss scaling (`decorate`); or, as a torch.compile backend, dynamo → cast pass → inductor
-(`backend`). Beside it, the tools: `export` (graphamp.inspection) and
-`doctor`/`auto_mixed_precision` (graphamp.diagnosis).
+The pipeline: the policy (`AutoMixedPrecisionLists`, graphamp.policy) → the passes (graphamp.passes) → the front
+ends (graphamp.frontends): `rewrite` converts the user's model in place to train under torch.compile with
+graphamp's backend (`backend`, or `torch.compile(model, backend="graphamp")`), `export_program` gives the whole
+model as one static ExportedProgram → training (`decorate`, graphamp.training). Beside it, the tools: `export`
+(graphamp.inspection) and `doctor`/`auto_mixed_precision` (graphamp.diagnosis).
 """
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
-from graphamp import _renamed
-from graphamp.amp_module import AmpModule, rewrite
-from graphamp.cast_pass import RewriteReport
-from graphamp.compile_backend import backend
 from graphamp.diagnosis.auto_lists import AutoListsResult, auto_mixed_precision
 from graphamp.diagnosis.diagnose import DoctorReport, doctor
 from graphamp.errors import (
-    ArgumentError, CaptureError, DoubleAmpError, ExportError, GraphampError, HookError, ListFileError,
+    ArgumentError, CaptureError, DoubleAmpError, ExportError, GraphampError, ListFileError,
     LossScalingError, RewriteError,
 )
+from graphamp.frontends.compile_backend import backend
+from graphamp.frontends.export_program import export_program
+from graphamp.frontends.rewrite import rewrite, rewritten_graphs
 from graphamp.inspection.export_files import export
-from graphamp.lists import AutoMixedPrecisionLists, Decision
-from graphamp.loss_scaler import LossScaler
-from graphamp.optimizer import OptimizerWithMixedPrecision, decorate
-from graphamp.runtime.weight_cache import WeightCache
-
-_renamed.install()
+from graphamp.passes.cast_pass import RewriteReport
+from graphamp.policy.lists import AutoMixedPrecisionLists, Decision
+from graphamp.training.loss_scaler import LossScaler
+from graphamp.training.optimizer import OptimizerWithMixedPrecision, decorate
 
 __all__ = [
-    "AmpModule",
     "ArgumentError",
     "AutoListsResult",
     "AutoMixedPrecisionLists",
@@ -37,19 +34,19 @@ __all__ = [
     "DoctorReport",
     "ExportError",
     "GraphampError",
-    "HookError",
     "ListFileError",
     "LossScaler",
     "LossScalingError",
     "OptimizerWithMixedPrecision",
     "RewriteError",
     "RewriteReport",
-    "WeightCache",
     "__version__",
     "auto_mixed_precision",
     "backend",
     "decorate",
     "doctor",
     "export",
+    "export_program",
     "rewrite",
+    "rewritten_graphs",
 ]

@@ -25,9 +25,9 @@ from graphamp.diagnosis.auto_lists import auto_mixed_precision
 from graphamp.diagnosis.diagnose import doctor, format_report
 from graphamp.diagnosis.list_writer import refuse_to_overwrite
 from graphamp.errors import GraphampError
+from graphamp.frontends.export_program import export_program
 from graphamp.inspection.export_files import FILES, check_out_dir, export
-from graphamp.lists import COLORS, AutoMixedPrecisionLists
-from graphamp.amp_module import rewrite
+from graphamp.policy.lists import COLORS, AutoMixedPrecisionLists
 
 __all__ = ["main"]
 
@@ -43,10 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--debug", action="store_true", help="print the traceback of an error, too")
     subcommands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    _add_lists(subcommands)
-    _add_check_lists(subcommands)
-    _add_export(subcommands)
-    _add_doctor(subcommands)
+    for add_command in (_add_lists, _add_check_lists, _add_export, _add_doctor):
+        add_command(subcommands)
     args = parser.parse_args(argv)
     try:
         return args.run(args, parser)
@@ -56,17 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as error:  # a user's model or file can fail in any way: one line, the traceback on demand
         if args.debug:
             traceback.print_exc()
-        print(f"error: {_one_line_error(error)}", file=sys.stderr)
+        # graphamp's own errors say the fix already; any other is named by its type
+        print(f"error: {error if isinstance(error, GraphampError) else f'{type(error).__name__}: {error}'}",
+              file=sys.stderr)
         if not args.debug and (error.__cause__ is not None or not isinstance(error, GraphampError)):
             print("(run with --debug for the traceback)", file=sys.stderr)
         return 1
-
-
-def _one_line_error(error: Exception) -> str:
-    """graphamp's own errors say the fix already; any other is named by its type."""
-    if isinstance(error, GraphampError):
-        return str(error)
-    return f"{type(error).__name__}: {error}"
 
 
 def _subcommand(subcommands, name: str, summary: str, description: str, example: str):
@@ -134,10 +127,11 @@ def _check_lists(args, parser) -> int:
 def _add_export(subcommands) -> None:
     command = _subcommand(
         subcommands, "export",
-        "rewrite a model and write its graph, picture and report",
+        "export a model with graphamp's casts and write its graph, picture and report",
         "Imports MODULE (from the current folder or the Python path), calls FACTORY(), which returns\n"
-        "(model, example_args) or (model, example_args, example_kwargs), rewrites the model and writes\n"
-        "graph.py, graph.json, graph.svg, report.html and diff.txt to the --out folder.",
+        "(model, example_args) or (model, example_args, example_kwargs), exports the model with the casts\n"
+        "(graphamp.export_program) and writes graph.py, graph.json, graph.svg, report.html (the casts executed,\n"
+        "next to torch.autocast's on the FP32 model) and diff.txt to the --out folder.",
         "graphamp export my_models:tiny_gpt2 --out gpt2_amp --dtype bfloat16",
     )
     _add_model_arguments(command)
@@ -151,9 +145,9 @@ def _export(args, parser) -> int:
     lists = AutoMixedPrecisionLists(dtype=args.dtype, lists_dir=args.lists)
     model, example_args, example_kwargs = _factory_call(args, parser)
     with _checks_named(args.factory):
-        amp_model = rewrite(model, example_args, example_kwargs, amp_lists=lists, level=args.level)
-    out = export(amp_model, args.out, overwrite=args.force)
-    print(amp_model.report)
+        program = export_program(model, example_args, example_kwargs, amp_lists=lists, level=args.level)
+    out = export(program, args.out, overwrite=args.force, model=model)
+    print(program.graph_module.meta["graphamp_report"])
     print(f"wrote {out}/: {' '.join(FILES)}")
     return 0
 
@@ -245,24 +239,19 @@ def _add_model_arguments(command) -> None:
 
 @contextmanager
 def _checks_named(factory: str):
-    """rewrite()'s and doctor()'s own checks (FP16 parameters, ...) say the fix already: name the factory."""
+    """export_program()'s and doctor()'s own checks (FP16 parameters, ...) say the fix already: name the factory."""
     try:
         yield
-    except (TypeError, ValueError) as error:
-        if isinstance(error, GraphampError):
-            raise
+    except (TypeError, ValueError) as error:  # graphamp's ArgumentError is both
         raise GraphampError(f"{factory}: {error}") from error
 
 
 def _factory_call(args, parser):
-    module_name, _, factory_name = args.factory.partition(":")
+    """(model, example_args, example_kwargs) from calling MODULE:FACTORY, checked."""
+    spec = args.factory
+    module_name, _, factory_name = spec.partition(":")
     if not module_name or not factory_name.isidentifier():
-        parser.error(f"MODULE:FACTORY expected, got {args.factory!r} (for example my_models:tiny_gpt2)")
-    return _call_factory(module_name, factory_name)
-
-
-def _call_factory(module_name: str, factory_name: str):
-    spec = f"{module_name}:{factory_name}"
+        parser.error(f"MODULE:FACTORY expected, got {spec!r} (for example my_models:tiny_gpt2)")
     here = os.getcwd()
     sys.path.insert(0, here)  # `graphamp export my_models:f` finds my_models.py here, as `python -m` would
     try:
@@ -290,9 +279,7 @@ def _call_factory(module_name: str, factory_name: str):
     try:
         result = factory()
     except Exception as error:
-        raise GraphampError(
-            f"{spec}: {factory_name}() raised {type(error).__name__}: {error}"
-        ) from error
+        raise GraphampError(f"{spec}: {factory_name}() raised {type(error).__name__}: {error}") from error
     if not (isinstance(result, tuple) and len(result) in (2, 3) and isinstance(result[0], nn.Module)):
         if isinstance(result, tuple):
             got = f"({', '.join(type(item).__name__ for item in result)})"

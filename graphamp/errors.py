@@ -1,7 +1,7 @@
 """The typed errors graphamp raises: each names the file, line or op at fault and says the fix."""
 
 __all__ = [
-    "ArgumentError", "CaptureError", "DoubleAmpError", "ExportError", "GraphampError", "HookError", "ListFileError",
+    "ArgumentError", "CaptureError", "DoubleAmpError", "ExportError", "GraphampError", "ListFileError",
     "LossScalingError", "RewriteError",
 ]
 
@@ -15,7 +15,7 @@ class ListFileError(GraphampError, ValueError):
 
 
 class CaptureError(GraphampError, RuntimeError):
-    """torch.export could not capture the model; the message names the construct and the fix."""
+    """torch.export or dynamo's graph could not be captured or lowered; the message names the construct and the fix."""
 
 
 class LossScalingError(GraphampError, RuntimeError):
@@ -27,11 +27,7 @@ class ExportError(GraphampError, RuntimeError):
 
 
 class DoubleAmpError(GraphampError, RuntimeError):
-    """An AmpModule was called inside torch.autocast: two mixed-precision systems at once."""
-
-
-class HookError(GraphampError, RuntimeError):
-    """A module hook of a kind the rewritten graph cannot run (a backward hook on a submodule); says the fix."""
+    """A rewritten model (or graphamp's backend) ran inside torch.autocast: two mixed-precision systems at once."""
 
 
 class ArgumentError(GraphampError, TypeError, ValueError):

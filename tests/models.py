@@ -300,3 +300,38 @@ class LossOfCastLogits(nn.Module):
     def forward(self, x, labels):
         logits = self.proj(x)
         return F.cross_entropy(logits.float(), labels), logits
+
+
+class Regression(nn.Module):
+    """A two-layer Tanh MLP whose forward returns its MSE loss, as HF models return theirs."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+    def forward(self, x, y):
+        return F.mse_loss(self.net(x), y)
+
+
+def regression_batch(step: int, poison: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Regression's inputs and targets for a step; `poison` (inf or nan) is written into one input value."""
+    generator = torch.Generator().manual_seed(step)
+    x, y = torch.randn(6, 8, generator=generator), torch.randn(6, 4, generator=generator)
+    if poison is not None:
+        x[0, 0] = poison
+    return x, y
+
+
+class BrokenGraph(nn.Module):
+    """Two linear layers with a graph break between them: dynamo hands graphamp two graphs, and the activation
+    between them is an input of the second."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(8, 16)
+        self.second = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.first(x))
+        torch._dynamo.graph_break()
+        return self.second(h)

@@ -4,11 +4,13 @@ A 2-layer GPT-2 in bfloat16 (fast on CPU). Each tolerance is checked by a run of
 lists found, against the FP32 model.
 """
 
+import copy
+
 import pytest
 import torch
 
 import graphamp
-from graphamp.lists import AutoMixedPrecisionLists
+from graphamp.policy.lists import AutoMixedPrecisionLists
 from models import PooledSum, gpt2, large_inputs, token_batch
 from training import relative_error
 
@@ -23,7 +25,7 @@ def model_and_batch():
 
 
 def loss_error(model, batch, lists):
-    amp_model = graphamp.rewrite(model, (), batch, amp_lists=lists)
+    amp_model = graphamp.rewrite(copy.deepcopy(model), (), batch, amp_lists=lists)
     with torch.no_grad():
         return relative_error(amp_model(**batch).loss, model(**batch).loss)
 

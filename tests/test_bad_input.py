@@ -21,9 +21,9 @@ from torch import nn
 
 import graphamp
 from graphamp import (
-    ArgumentError, AutoMixedPrecisionLists, ExportError, ListFileError, LossScalingError,
+    ArgumentError, AutoMixedPrecisionLists, DoubleAmpError, ExportError, ListFileError, LossScalingError,
 )
-from graphamp.list_files import OP_LIST_FILES, default_lists_dir
+from graphamp.policy.list_files import OP_LIST_FILES, default_lists_dir
 from conftest import write_list_folder
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,15 +50,38 @@ def bf16_lists(**options):
     return AutoMixedPrecisionLists(dtype="bfloat16", **options)
 
 
-def exported_twice(tmp_path):
-    amp = graphamp.rewrite(nn.Linear(4, 4), (x(),), amp_lists=bf16_lists())
-    graphamp.export(amp, tmp_path / "out")
-    graphamp.export(amp, tmp_path / "out")
+def program():
+    return graphamp.export_program(nn.Linear(4, 4), (x(),), amp_lists=bf16_lists())
 
 
-def export_into_a_file(tmp_path):
+def rewritten_model():
+    return graphamp.rewrite(nn.Linear(4, 4), (x(),), amp_lists=bf16_lists())
+
+
+def exported_twice(tmp_path, make=program):
+    what = make()
+    graphamp.export(what, tmp_path / "out")
+    graphamp.export(what, tmp_path / "out")
+
+
+def export_into_a_file(tmp_path, make=program):
     (tmp_path / "out").write_text("not a folder")
-    graphamp.export(graphamp.rewrite(nn.Linear(4, 4), (x(),), amp_lists=bf16_lists()), tmp_path / "out")
+    graphamp.export(make(), tmp_path / "out")
+
+
+def rewritten_twice(tmp_path):
+    graphamp.rewrite(rewritten_model(), (x(),), amp_lists=bf16_lists())
+
+
+def rewritten_model_called_under_autocast(tmp_path):
+    model = rewritten_model()
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # a second AMP system around graphamp's
+        model(x())
+
+
+def exported_under_autocast(tmp_path):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        program()
 
 
 def lists_folder(**files):
@@ -81,17 +104,55 @@ BAD_CALLS = [
     pytest.param(lambda tmp: graphamp.rewrite(nn.Linear(4, 4), (x(),), amp_lists="bfloat16"), ArgumentError,
                  r"rewrite\(amp_lists=\.\.\.\) got a str; pass graphamp\.AutoMixedPrecisionLists\(dtype='bfloat16'\)",
                  id="rewrite-amp_lists-a-string"),
+    pytest.param(lambda tmp: graphamp.export_program(nn.Linear(4, 4), (x(),), amp_lists="bf16"), ArgumentError,
+                 r"export_program\(amp_lists=\.\.\.\) got a str; "
+                 r"pass graphamp\.AutoMixedPrecisionLists\(dtype='bf16'\)",
+                 id="export_program-amp_lists-a-string"),
     pytest.param(lambda tmp: graphamp.doctor(nn.Linear(4, 4), (x(),), amp_lists=torch.float16), ArgumentError,
                  r"doctor\(amp_lists=\.\.\.\) got a dtype", id="doctor-amp_lists-a-dtype"),
     pytest.param(lambda tmp: graphamp.decorate(torch.optim.SGD(nn.Linear(4, 4).parameters(), lr=0.1), "float16"),
                  LossScalingError, r"decorate\(amp_lists=\.\.\.\) got a str; pass the "
                  r"graphamp\.AutoMixedPrecisionLists\(dtype='float16'\)", id="decorate-amp_lists-a-string"),
     pytest.param(lambda tmp: graphamp.rewrite(nn.Linear(4, 4), [x()]), ArgumentError,
-                 r"example_args as a list; the positional arguments are a tuple: \(x,\)", id="example_args-a-list"),
+                 r"rewrite\(\) got example_args as a list; the positional arguments are a tuple: \(x,\)",
+                 id="rewrite-example_args-a-list"),
+    pytest.param(lambda tmp: graphamp.export_program(nn.Linear(4, 4), [x()]), ArgumentError,
+                 r"export_program\(\) got example_args as a list; the positional arguments are a tuple: \(x,\)",
+                 id="export_program-example_args-a-list"),
     pytest.param(lambda tmp: graphamp.rewrite(nn.Linear(4, 4), (x(),), example_kwargs=[1]), ArgumentError,
                  r"example_kwargs as a list; pass a dict", id="example_kwargs-a-list"),
-    pytest.param(lambda tmp: graphamp.rewrite(nn.Linear(4, 4), (x(),), max_captures=0), ArgumentError,
-                 r"max_captures=0: pass a whole number of cached captures, at least 1", id="max_captures-0"),
+    pytest.param(lambda tmp: graphamp.rewrite(lambda t: t, (x(),)), ArgumentError,
+                 r"rewrite\(\) takes an nn\.Module, got function", id="rewrite-a-function"),
+    pytest.param(lambda tmp: graphamp.export_program(lambda t: t, (x(),)), ArgumentError,
+                 r"export_program\(\) takes an nn\.Module, got function", id="export_program-a-function"),
+    pytest.param(lambda tmp: graphamp.rewrite(nn.Linear(4, 4).half(), (x().half(),), amp_lists=bf16_lists()),
+                 ArgumentError, r"parameter 'weight' is float16: .*Keep the model in float32",
+                 id="rewrite-a-half-model"),
+    pytest.param(lambda tmp: graphamp.export_program(nn.Linear(4, 4), (x(),), amp_lists=bf16_lists(), level="O3"),
+                 ArgumentError, r"level='O3': use 'O1' \(lists decide\) or 'O2'", id="export_program-level-O3"),
+    # rewrite()'s own arguments
+    pytest.param(rewritten_twice, ArgumentError,
+                 r"this Linear was already rewritten by graphamp\.rewrite\(\): .*rewrite a fresh FP32 model",
+                 id="rewrite-a-rewritten-model"),
+    pytest.param(lambda tmp: graphamp.rewrite(nn.Linear(4, 4), (x(),), amp_lists=bf16_lists(), fp32_output=False),
+                 ArgumentError, r"rewrite\(\) got an unexpected keyword argument 'fp32_output'",
+                 id="rewrite-unknown-keyword"),
+    pytest.param(lambda tmp: graphamp.rewrite(nn.Linear(4, 4), (x(),), amp_lists=bf16_lists(), mode="max-autotune"),
+                 ArgumentError, r"mode='max-autotune' is inductor's: pass compile=True with it",
+                 id="rewrite-mode-without-compile"),
+    pytest.param(lambda tmp: graphamp.rewrite(Head(), (x(),), amp_lists=bf16_lists(), checkpoint="layers.*"),
+                 ArgumentError,
+                 r"checkpoint='layers\.\*' matches no submodule of Head; module paths look like body, head",
+                 id="rewrite-checkpoint-matching-nothing"),
+    pytest.param(rewritten_model_called_under_autocast, DoubleAmpError,
+                 r"Linear, rewritten by graphamp, was called inside an active torch\.autocast region on cpu: .*"
+                 r"drop the torch\.autocast context", id="rewritten-model-called-under-autocast"),
+    pytest.param(exported_under_autocast, DoubleAmpError,
+                 r"graphamp\.export_program\(\) of Linear was called inside an active torch\.autocast region on cpu: "
+                 r".*drop the torch\.autocast context", id="export_program-under-autocast"),
+    pytest.param(lambda tmp: graphamp.rewritten_graphs(nn.Linear(4, 4)), ArgumentError,
+                 r"rewritten_graphs\(\) takes a model graphamp\.rewrite\(\) converted .* got a Linear that was not "
+                 r"rewritten", id="rewritten_graphs-of-an-fp32-model"),
     pytest.param(lambda tmp: graphamp.doctor(nn.Linear(4, 4), (x(),), amp_lists=bf16_lists(),
                                              loss_scaling=math.nan), ArgumentError, r"loss_scaling=nan: pass a positive finite number", id="doctor-loss_scaling-nan"),
     # lists folders from Python, checked as `graphamp check-lists` checks them
@@ -119,7 +180,16 @@ BAD_CALLS = [
     pytest.param(exported_twice, ExportError,
                  r"out/graph\.py: already exists; pass overwrite=True \(graphamp export --force\)",
                  id="export-over-an-earlier-export"),
+    pytest.param(lambda tmp: exported_twice(tmp, rewritten_model), ExportError,
+                 r"out/graph_0/graph\.py: already exists; pass overwrite=True \(graphamp export --force\)",
+                 id="export-a-rewritten-model-over-an-earlier-export"),
     pytest.param(export_into_a_file, ExportError, r"out: is a file, not a folder", id="export-into-a-file"),
+    pytest.param(lambda tmp: export_into_a_file(tmp, rewritten_model), ExportError, r"out: is a file, not a folder",
+                 id="export-a-rewritten-model-into-a-file"),
+    pytest.param(lambda tmp: graphamp.export(nn.Linear(4, 4), tmp / "out"), ArgumentError,
+                 r"export\(\) takes the ExportedProgram graphamp\.export_program\(\) returns.*For an FP32 model: "
+                 r"graphamp\.export\(graphamp\.export_program\(model, example_args\), out_dir, model=model\)",
+                 id="export-an-fp32-model"),
 ]
 
 
@@ -203,7 +273,7 @@ def test_an_entry_appended_to_a_copy_of_gray_txt_is_gray_in_both_dtypes(tmp_path
 
 # -- module patterns -----------------------------------------------------------------------------------------
 
-def test_an_unmatched_black_module_pattern_warns_with_the_closest_paths():
+def test_an_unmatched_black_module_pattern_warns_on_rewrite_with_the_closest_paths():
     lists = bf16_lists(custom_black_modules=["lm_head"])
 
     with pytest.warns(UserWarning, match=r"custom_black_modules: lm_head: black-module pattern 'lm_head' matches "
@@ -222,17 +292,63 @@ def test_a_matched_black_module_pattern_gives_no_warning():
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*black-module pattern")
         graphamp.rewrite(Head(), (x(),), amp_lists=bf16_lists(custom_black_modules=["he*"]))
+        graphamp.export_program(Head(), (x(),), amp_lists=bf16_lists(custom_black_modules=["he*"]))
+
+
+def test_an_unmatched_black_module_pattern_warns_on_export_program_too():
+    lists = bf16_lists(custom_black_modules=["lm_head"])
+
+    with pytest.warns(UserWarning, match=r"black-module pattern 'lm_head' matches no module of Head.*closest module "
+                                          r"paths: head"):
+        graphamp.export_program(Head(), (x(),), amp_lists=lists)
+
+
+# -- rewrite()'s arguments of the export-based release --------------------------------------------------------
+
+# Each argument the export-based rewrite() had and torch.compile made moot, and words of what replaces it.
+DEPRECATED = {
+    "fp32_outputs": "dtypes the model's own code gives them",
+    "max_captures": "recompile_limit",
+    "progress": "TORCH_LOGS",
+    "regions": "within the whole model's capture",
+    "weight_cache": "inductor casts each weight",
+}
+
+
+@pytest.mark.parametrize("argument", DEPRECATED)
+def test_a_deprecated_rewrite_argument_warns_naming_its_replacement_and_is_ignored(argument):
+    model = Head()
+    expected = model(x := torch.randn(2, 4))
+
+    with pytest.warns(DeprecationWarning, match=rf"rewrite\({argument}=\.\.\.\) is ignored since graphamp 0\.3.*"
+                                                rf"{re.escape(DEPRECATED[argument])}"):
+        rewritten = graphamp.rewrite(model, (x,), amp_lists=bf16_lists(), **{argument: False})
+
+    assert rewritten is model
+    out = model(x)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, rtol=3e-2, atol=3e-2)
+
+
+def test_compile_mode_warns_that_it_is_now_mode_and_still_sets_it():
+    with pytest.warns(DeprecationWarning, match=r"rewrite\(compile_mode=\.\.\.\) is now rewrite\(mode=\.\.\.\)"):
+        with pytest.raises(ArgumentError, match=r"mode='max-autotune' is inductor's: pass compile=True"):
+            graphamp.rewrite(Head(), (x(),), amp_lists=bf16_lists(), compile_mode="max-autotune")
 
 
 # -- export --------------------------------------------------------------------------------------------------
 
-def test_export_overwrites_an_earlier_export_when_told(tmp_path):
-    amp = graphamp.rewrite(nn.Linear(4, 4), (x(),), amp_lists=bf16_lists())
-    (tmp_path / "graph.py").write_text("stale")
+@pytest.mark.parametrize("make", [program, rewritten_model], ids=["program", "rewritten-model"])
+def test_export_overwrites_an_earlier_export_when_told(tmp_path, make):
+    what = make()
+    graphamp.export(what, tmp_path)
+    written = sorted(tmp_path.rglob("graph.py"))
+    for path in written:
+        path.write_text("stale")
 
-    graphamp.export(amp, tmp_path, overwrite=True)
+    graphamp.export(what, tmp_path, overwrite=True)
 
-    assert (tmp_path / "graph.py").read_text() != "stale"
+    assert written and all(path.read_text() != "stale" for path in written)
 
 
 # -- the cast pass -------------------------------------------------------------------------------------------

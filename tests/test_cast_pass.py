@@ -1,29 +1,45 @@
-"""The cast pass, judged by the dtypes the ATen kernels actually execute with (forward and backward)."""
+"""The cast pass, judged by the dtypes the ATen kernels actually execute with (forward and backward), on both front
+ends: the same lists give the same decisions under torch.compile (rewrite) and torch.export (export_program)."""
 
+import copy
 import warnings
 from collections import Counter
 
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch import nn
 
 import graphamp
 import models
 from graphamp import AutoMixedPrecisionLists
 from graphamp.inspection.recording import DtypeRecorder, floating
-from training import loss_of
+from conftest import FrontEnd
+from training import loss_of, relative_error
 
 BF16 = AutoMixedPrecisionLists(dtype="bfloat16")
 CAST = torch.ops.aten._to_copy.default
 
 
-def rewrite_bf16(model, *args, amp_lists=BF16, **options):
-    return graphamp.rewrite(model, args, amp_lists=amp_lists, **options)
-
-
 def inserted_casts(graph_module):
     return [n for n in graph_module.graph.nodes if n.meta.get("graphamp", {}).get("decision") == "inserted-cast"]
+
+
+def nodes_of(graph_module, target):
+    return [n for n in graph_module.graph.nodes if n.target == target]
+
+
+def state_placeholders_cast(converted, dtype=None):
+    """The model paths of the parameters and buffers the graph casts (to `dtype`, or to any dtype). A tied weight
+    is named by its first path in named_parameters(): the front ends may each name its placeholder by another."""
+    model = converted.model
+    first_path = {id(t): name for name, t in [*model.named_parameters(), *model.named_buffers()]}
+    tensors = dict([*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)])
+    return [
+        first_path[id(tensors[converted.state[cast.args[0].name]])] for cast in inserted_casts(converted.graph_module)
+        if cast.args[0].name in converted.state and dtype in (None, cast.kwargs["dtype"])
+    ]
 
 
 class LinearThen(nn.Module):
@@ -38,75 +54,130 @@ class LinearThen(nn.Module):
         return self.then(self.fc(x), *extra)
 
 
-def test_white_op_runs_in_the_low_dtype_forward_and_backward():
-    amp = rewrite_bf16(nn.Linear(8, 4), torch.randn(2, 8))
-    with DtypeRecorder() as rec:
-        amp(torch.randn(2, 8, requires_grad=True)).sum().backward()
+# -- shared models: each converted once per front end, for the tests that only read them -------------------------
+
+def _bert_case():
+    ids = models.token_batch()
+    model = models.bert()
+    # BERT writes config.problem_type at its first call with labels, which dynamo guards on: set, it compiles once.
+    model.config.problem_type = "single_label_classification"
+    return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.tensor([0, 2])}
+
+
+def _gpt2_case():
+    ids = models.token_batch()
+    model = models.gpt2()
+    # GPT2LMHeadModel's loss warns once through transformers' logger, which dynamo cannot trace under fullgraph=True;
+    # naming the loss it falls back to keeps the whole call one graph.
+    model.loss_type = "ForCausalLM"
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def _llama_case():
+    ids = models.token_batch()
+    return models.llama(), {"input_ids": ids, "labels": ids}
+
+
+CASES = {"bert": _bert_case, "gpt2": _gpt2_case, "llama": _llama_case}
+
+
+@pytest.fixture(scope="module")
+def converted_case():
+    """converted_case(name, front_end) -> (Converted, an FP32 copy made before converting, the batch), built once
+    per module for each (name, front end)."""
+    built = {}
+    for make in CASES.values():
+        # A transformers model class registers itself in a dict that dynamo guards on: making each class before
+        # any compile keeps a later one from recompiling the others (whose new graph recording() would not see).
+        make()
+
+    def get(name, front_end):
+        if (name, front_end) not in built:
+            torch.manual_seed(0)
+            model, batch = CASES[name]()
+            reference = copy.deepcopy(model)
+            built[name, front_end] = (FrontEnd(front_end).convert(model, (), batch, amp_lists=BF16), reference, batch)
+        return built[name, front_end]
+
+    return get
+
+
+# -- white, black, gray --------------------------------------------------------------------------------------------
+
+def test_white_op_runs_in_the_low_dtype_forward_and_backward(rewritten):
+    x = torch.randn(2, 8, requires_grad=True)
+    amp = rewritten.convert(nn.Linear(8, 4), (x,), amp_lists=BF16)
+    with amp.recording() as rec:
+        amp.run(x).sum().backward()
     gemms = rec.calls_of("addmm", "mm")
     assert len(gemms) == 3  # forward, grad of input, grad of weight
     assert all(floating(call.in_dtypes) == {torch.bfloat16} for call in gemms)
 
 
-def test_black_op_runs_in_fp32_on_low_inputs():
-    amp = rewrite_bf16(LinearThen(lambda h: torch.log_softmax(h, -1)), torch.randn(2, 8))
-    with DtypeRecorder() as rec:
-        amp(torch.randn(2, 8)).sum().backward()
+def test_black_op_runs_in_fp32_on_low_inputs(rewritten):
+    amp = rewritten.convert(LinearThen(lambda h: torch.log_softmax(h, -1)), (torch.randn(2, 8),), amp_lists=BF16)
+    with amp.recording() as rec:
+        amp.run(torch.randn(2, 8)).sum().backward()
     (softmax,) = rec.calls_of("_log_softmax")
     assert floating(softmax.in_dtypes) == {torch.float32}
     assert floating(rec.calls_of("_log_softmax_backward_data")[0].in_dtypes) == {torch.float32}
 
 
-def test_gray_op_follows_low_inputs():
-    amp = rewrite_bf16(LinearThen(torch.relu), torch.randn(2, 8), fp32_outputs=False)
-    with DtypeRecorder() as rec:
-        out = amp(torch.randn(2, 8))
+def test_gray_op_follows_low_inputs(rewritten):
+    amp = rewritten.convert(LinearThen(torch.relu), (torch.randn(2, 8),), amp_lists=BF16)
+    with amp.recording() as rec:
+        out = amp.run(torch.randn(2, 8))
     assert rec.calls_of("relu")[0].out_dtypes == (torch.bfloat16,)
-    assert out.dtype == torch.bfloat16
+    assert out.dtype == torch.float32  # returned as the FP32 model returns it
 
 
-def test_gray_op_with_an_fp32_input_runs_in_fp32():
-    amp = rewrite_bf16(LinearThen(torch.add), torch.randn(2, 8), torch.randn(2, 8))
-    with DtypeRecorder() as rec:
-        amp(torch.randn(2, 8), torch.randn(2, 8))
+def test_gray_op_with_an_fp32_input_runs_in_fp32(rewritten):
+    amp = rewritten.convert(LinearThen(torch.add), (torch.randn(2, 8), torch.randn(2, 8)), amp_lists=BF16)
+    with amp.recording() as rec:
+        amp.run(torch.randn(2, 8), torch.randn(2, 8))
     (add,) = rec.calls_of("add")
-    assert add.out_dtypes == (torch.float32,)  # torch promotes inside the kernel: no cast node needed
+    assert add.out_dtypes == (torch.float32,)
+    (node,) = nodes_of(amp.graph_module, torch.ops.aten.add.Tensor)
+    assert not [n for n in node.all_input_nodes if n.target == CAST]  # torch promotes inside the kernel
 
 
-def test_gray_op_that_does_not_promote_gets_its_low_inputs_cast_up():
-    amp = rewrite_bf16(LinearThen(lambda h, other: torch.dot(h.flatten(), other.flatten())), torch.randn(2, 8), torch.randn(2, 8))
-    (dot,) = [n for n in amp.graph_module.graph.nodes if n.target == torch.ops.aten.dot.default]
+def test_gray_op_that_does_not_promote_gets_its_low_inputs_cast_up(rewritten):
+    model = LinearThen(lambda h, other: torch.dot(h.flatten(), other.flatten()))
+    amp = rewritten.convert(model, (torch.randn(2, 8), torch.randn(2, 8)), amp_lists=BF16)
+    (dot,) = nodes_of(amp.graph_module, torch.ops.aten.dot.default)
     assert [n.meta["val"].dtype for n in dot.args] == [torch.float32, torch.float32]
-    with DtypeRecorder() as rec:
-        amp(torch.randn(2, 8), torch.randn(2, 8))
+    with amp.recording() as rec:
+        amp.run(torch.randn(2, 8), torch.randn(2, 8))
     assert rec.calls_of("dot")[0].in_dtypes == (torch.float32, torch.float32)
 
 
-def test_gray_op_that_promotes_natively_gets_no_cast():
-    amp = rewrite_bf16(LinearThen(lambda h, other: torch.cat([h, other], dim=0)), torch.randn(2, 8), torch.randn(2, 8))
-    (cat,) = [n for n in amp.graph_module.graph.nodes if n.target == torch.ops.aten.cat.default]
+def test_gray_op_that_promotes_natively_gets_no_cast(rewritten):
+    model = LinearThen(lambda h, other: torch.cat([h, other], dim=0))
+    graph_module, _ = rewritten(model, (torch.randn(2, 8), torch.randn(2, 8)), amp_lists=BF16)
+    (cat,) = nodes_of(graph_module, torch.ops.aten.cat.default)
     assert [n.meta["val"].dtype for n in cat.args[0]] == [torch.bfloat16, torch.float32]
     assert cat.meta["val"].dtype == torch.float32
 
 
-def test_unlisted_op_is_treated_as_gray_and_reported():
-    amp = rewrite_bf16(models.CustomOpModel(), torch.randn(4, 8), fp32_outputs=False)
+def test_unlisted_op_is_treated_as_gray_and_reported(rewritten):
+    amp = rewritten.convert(models.CustomOpModel(), (torch.randn(4, 8),), amp_lists=BF16)
     assert amp.report.unlisted_ops == Counter({"graphamp_test::scaled_tanh": 1})
     assert "graphamp_test::scaled_tanh x1" in str(amp.report)
-    with DtypeRecorder() as rec:
-        amp(torch.randn(4, 8))
+    with amp.recording() as rec:
+        amp.run(torch.randn(4, 8))
     assert rec.calls_of("graphamp_test::scaled_tanh")[0].in_dtypes == (torch.bfloat16,)  # followed fc1's output
 
 
-def test_custom_op_on_the_black_list_runs_in_fp32():
+def test_custom_op_on_the_black_list_runs_in_fp32(rewritten):
     lists = AutoMixedPrecisionLists(dtype="bfloat16", custom_black_list=["graphamp_test::scaled_tanh"])
-    amp = rewrite_bf16(models.CustomOpModel(), torch.randn(4, 8), amp_lists=lists)
-    with DtypeRecorder() as rec:
-        amp(torch.randn(4, 8)).sum().backward()
+    amp = rewritten.convert(models.CustomOpModel(), (torch.randn(4, 8),), amp_lists=lists)
+    with amp.recording() as rec:
+        amp.run(torch.randn(4, 8)).sum().backward()
     assert rec.calls_of("graphamp_test::scaled_tanh")[0].in_dtypes == (torch.float32,)
     assert not amp.report.unlisted_ops
 
 
-def test_integer_and_bool_tensors_are_never_cast():
+def test_integer_and_bool_tensors_are_never_cast(rewritten):
     class Masked(nn.Module):
         def __init__(self):
             super().__init__()
@@ -117,16 +188,41 @@ def test_integer_and_bool_tensors_are_never_cast():
             return self.fc(self.embed(tokens)).masked_fill(mask.unsqueeze(-1), 0.0)
 
     tokens, mask = torch.randint(0, 10, (2, 5)), torch.rand(2, 5) > 0.5
-    amp = rewrite_bf16(Masked(), tokens, mask)
+    amp = rewritten.convert(Masked(), (tokens, mask), amp_lists=BF16)
     casts = inserted_casts(amp.graph_module)
     assert casts and all(cast.args[0].meta["val"].dtype.is_floating_point for cast in casts)
-    with DtypeRecorder() as rec:
-        amp(tokens, mask)
+    with amp.recording() as rec:
+        amp.run(tokens, mask)
     assert rec.calls_of("embedding")[0].in_dtypes == (torch.float32, torch.int64)
     assert torch.bool in rec.calls_of("masked_fill")[0].in_dtypes
 
 
-def test_casts_the_model_writes_are_kept():
+class GatedByANoGradRegion(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.gate = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        with torch.no_grad():
+            scale = self.gate(x).sigmoid()
+        return self.fc(x) * scale
+
+
+def test_a_value_leaving_a_no_grad_region_has_the_dtype_it_runs_in(rewritten):
+    x = torch.randn(4, 8)
+    amp = rewritten.convert(GatedByANoGradRegion(), (x,), amp_lists=BF16)
+    (mul,) = nodes_of(amp.graph_module, torch.ops.aten.mul.Tensor)
+    with amp.recording() as rec:
+        amp.run(x)
+    assert rec.calls_of("mul")[0].out_dtypes == (mul.meta["val"].dtype,)
+    # torch.export makes the region a sub-graph whose result crosses back in its traced dtype, float32 (and the mul
+    # promotes); dynamo keeps the region inline, and the mul follows the gate's bfloat16.
+    assert mul.meta["val"].dtype == {"export": torch.float32, "compile": torch.bfloat16}[rewritten.name]
+
+
+# -- the model's own casts -----------------------------------------------------------------------------------------
+
+def test_casts_the_model_writes_are_kept(rewritten):
     class WritesCasts(nn.Module):
         def __init__(self):
             super().__init__()
@@ -135,72 +231,49 @@ def test_casts_the_model_writes_are_kept():
         def forward(self, x):
             return self.fc(x).float() * 2 + self.fc(x).to(torch.float32)
 
-    amp = rewrite_bf16(WritesCasts(), torch.randn(2, 8))
-    decisions = Counter(n.meta.get("graphamp", {}).get("decision") for n in amp.graph_module.graph.nodes)
+    graph_module, _ = rewritten(WritesCasts(), (torch.randn(2, 8),), amp_lists=BF16)
+    decisions = Counter(n.meta.get("graphamp", {}).get("decision") for n in graph_module.graph.nodes)
     assert decisions["explicit-cast"] == 2
-    targets = {n.target for n in amp.graph_module.graph.nodes}
-    assert torch.ops.aten.to.dtype in targets
+    assert nodes_of(graph_module, torch.ops.aten.to.dtype)
 
 
-def test_explicit_dtype_argument_is_kept():
-    amp = rewrite_bf16(LinearThen(lambda h: torch.softmax(h, -1, dtype=torch.float32)), torch.randn(2, 8))
-    (softmax,) = [n for n in amp.graph_module.graph.nodes if n.target == torch.ops.aten.softmax.int]
+def test_explicit_dtype_argument_is_kept(rewritten):
+    model = LinearThen(lambda h: torch.softmax(h, -1, dtype=torch.float32))
+    graph_module, _ = rewritten(model, (torch.randn(2, 8),), amp_lists=BF16)
+    (softmax,) = nodes_of(graph_module, torch.ops.aten.softmax.int)
     assert softmax.meta["graphamp"]["decision"] == "explicit-cast"
     assert softmax.args[0].meta["val"].dtype == torch.bfloat16  # not cast up by graphamp: the op converts
     assert softmax.args[2] == torch.float32
 
 
-def test_no_value_is_cast_to_the_same_dtype_twice():
-    amp = graphamp.rewrite(models.bert(), (), {"input_ids": models.token_batch()}, amp_lists=BF16)
-    keys = [(cast.args[0], cast.kwargs["dtype"]) for cast in inserted_casts(amp.graph_module)]
-    assert keys and len(keys) == len(set(keys))
-
-
-def test_no_cast_to_a_values_own_dtype():
-    amp = graphamp.rewrite(models.gpt2(), (), {"input_ids": models.token_batch()}, amp_lists=BF16)
-    casts = inserted_casts(amp.graph_module)
-    assert casts and all(cast.args[0].meta["val"].dtype != cast.kwargs["dtype"] for cast in casts)
-
-
-def test_cast_of_an_inserted_cast_is_folded_into_it():
-    class WeightTwice(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc = nn.Linear(8, 8)
-
+def test_a_black_op_on_the_models_own_low_value_computes_fp32_and_returns_the_models_dtype(rewritten):
+    class SumsItsOwnLowValue(nn.Module):
         def forward(self, x):
-            return self.fc(x).sum() + torch.exp(self.fc.weight).sum()  # weight: white linear, then black exp
+            return x.bfloat16().sum(-1)
 
-    amp = graphamp.rewrite(WeightTwice(), (torch.randn(2, 8),), amp_lists=AutoMixedPrecisionLists(dtype="float16"))
-    casts = inserted_casts(amp.graph_module)
-    assert casts and all(cast.args[0].target != CAST for cast in casts)  # never a cast of a cast
-    (exp,) = [n for n in amp.graph_module.graph.nodes if n.target == torch.ops.aten.exp.default]
-    assert exp.args[0].op == "placeholder"  # the FP32 master weight itself, not bf16 -> fp32
+    x = torch.randn(4, 8)
+    amp = rewritten.convert(SumsItsOwnLowValue(), (x,), amp_lists=BF16)
+    (total,) = nodes_of(amp.graph_module, torch.ops.aten.sum.dim_IntList)
+    assert total.meta["val"].dtype == torch.float32  # accumulates in FP32 through its dtype argument
+    with amp.recording() as rec:
+        out = amp.run(x)
+    assert rec.calls_of("sum")[0].out_dtypes == (torch.float32,)
+    assert out.dtype == torch.bfloat16  # as the model returns it
+    torch.testing.assert_close(out, x.bfloat16().float().sum(-1).bfloat16())
 
 
-def test_without_fp32_outputs_a_value_the_model_also_casts_comes_back_in_its_own_dtype_as_under_autocast():
+def test_a_returned_value_the_model_also_casts_to_float32_is_cast_up_once(rewritten):
     model, x, labels = models.LossOfCastLogits(), torch.randn(4, 8), torch.randint(0, 6, (4,))
-    with torch.autocast("cpu", torch.bfloat16):
-        _, autocast_logits = model(x, labels)
-
-    loss, logits = rewrite_bf16(model, x, labels, fp32_outputs=False)(x, labels)
-
-    assert logits.dtype == autocast_logits.dtype == torch.bfloat16
-    assert loss.dtype == torch.float32
-
-
-def test_with_fp32_outputs_a_value_the_model_also_casts_is_cast_once():
-    model, x, labels = models.LossOfCastLogits(), torch.randn(4, 8), torch.randint(0, 6, (4,))
-    amp = rewrite_bf16(model, x, labels)
+    amp = rewritten.convert(model, (x, labels), amp_lists=BF16)
 
     up = [n for n in amp.graph_module.graph.nodes if n.target in (torch.ops.aten.to.dtype, CAST)
           and n.meta["val"].dtype == torch.float32 and n.meta["val"].shape == (4, 6)]
     assert len(up) == 1
-    assert amp(x, labels)[1].dtype == torch.float32
+    assert amp.run(x, labels)[1].dtype == torch.float32
 
 
-def test_a_value_and_its_reshapes_share_one_cast():
-    """Logits come back FP32 (fp32_outputs) and the loss reads them flattened in FP32: one copy serves both."""
+def test_a_value_and_its_reshapes_share_one_cast(rewritten):
+    """Logits come back FP32 and the loss reads them flattened in FP32: one copy serves both."""
 
     class Classifier(nn.Module):
         def __init__(self):
@@ -212,173 +285,36 @@ def test_a_value_and_its_reshapes_share_one_cast():
             return F.cross_entropy(logits.view(-1, 6), labels.view(-1)), logits
 
     model, x, labels = Classifier(), torch.randn(2, 3, 8), torch.randint(0, 6, (2, 3))
-    amp = rewrite_bf16(model, x, labels)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected_loss, expected_logits = model(x, labels)
+    amp = rewritten.convert(model, (x, labels), amp_lists=BF16)
 
     up_casts = [c for c in inserted_casts(amp.graph_module) if c.kwargs["dtype"] == torch.float32]
     assert len(up_casts) == 1
     assert all(n.users for n in amp.graph_module.graph.nodes if n.op == "call_function")  # no stale reshape left
-    loss, logits = amp(x, labels)
+    loss, logits = amp.run(x, labels)
     assert logits.dtype == torch.float32
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        expected_loss, expected_logits = model(x, labels)
     torch.testing.assert_close(logits, expected_logits.float())
     torch.testing.assert_close(loss, expected_loss)
 
 
-def test_each_parameter_is_cast_at_most_once_per_forward():
-    amp = graphamp.rewrite(models.bert(), (), {"input_ids": models.token_batch()}, amp_lists=BF16)
-    sources = Counter(c.args[0].name for c in inserted_casts(amp.graph_module) if c.args[0].op == "placeholder")
-    assert sources and max(sources.values()) == 1
+def test_cast_of_an_inserted_cast_is_folded_into_it(rewritten):
+    class WeightTwice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.fc(x).sum() + torch.exp(self.fc.weight).sum()  # weight: white linear, then black exp
+
+    graph_module, _ = rewritten(WeightTwice(), (torch.randn(2, 8),), amp_lists=AutoMixedPrecisionLists(dtype="float16"))
+    casts = inserted_casts(graph_module)
+    assert casts and all(cast.args[0].target != CAST for cast in casts)  # never a cast of a cast
+    (exp,) = nodes_of(graph_module, torch.ops.aten.exp.default)
+    assert exp.args[0].op == "placeholder"  # the FP32 master weight itself, not bf16 -> fp32
 
 
-def test_tied_weights_are_cast_once():
-    model = models.gpt2()
-    assert model.lm_head.weight is model.transformer.wte.weight
-    amp = graphamp.rewrite(model, (), {"input_ids": models.token_batch()}, amp_lists=BF16)
-    with DtypeRecorder() as rec:
-        amp(input_ids=models.token_batch())
-    vocab_shaped = [c for c in rec.calls_of("_to_copy") if c.out_dtypes == (torch.bfloat16,)]
-    assert vocab_shaped  # the recorder saw the casts it counts
-    tied = [n for n in inserted_casts(amp.graph_module) if n.args[0].op == "placeholder" and "wte" in n.args[0].name]
-    assert len(tied) == 1
-
-
-def test_node_meta_val_matches_what_executes():
-    amp = graphamp.rewrite(models.gpt2(), (), {"input_ids": models.token_batch()}, amp_lists=BF16)
-    captured = amp.captures[-1]
-    inputs = [source.get() for source in captured.lifted] + [models.token_batch()]
-    executed = {}
-
-    class Recording(torch.fx.Interpreter):
-        def run_node(self, node):
-            value = super().run_node(node)
-            if isinstance(value, torch.Tensor):
-                executed[node] = (value.dtype, tuple(value.shape))
-            return value
-
-    Recording(amp.graph_module).run(*inputs)
-    for node, dtype_and_shape in executed.items():
-        assert dtype_and_shape == (node.meta["val"].dtype, tuple(node.meta["val"].shape)), node
-    assert len(executed) > 100
-
-
-def test_outputs_come_back_in_float32_by_default():
-    amp = rewrite_bf16(nn.Linear(8, 4), torch.randn(2, 8))
-    assert amp(torch.randn(2, 8)).dtype == torch.float32
-    low = rewrite_bf16(nn.Linear(8, 4), torch.randn(2, 8), fp32_outputs=False)
-    assert low(torch.randn(2, 8)).dtype == torch.bfloat16
-
-
-def test_gradients_of_a_white_op_reach_fp32_master_weights():
-    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 2))
-    amp = rewrite_bf16(model, torch.randn(4, 8))
-    amp(torch.randn(4, 8)).sum().backward()
-    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
-
-
-def test_black_modules_keep_every_op_of_the_module_fp32():
-    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
-    lists = AutoMixedPrecisionLists(dtype="bfloat16", custom_black_modules=["2"])
-    amp = rewrite_bf16(model, torch.randn(4, 8), amp_lists=lists)
-    with DtypeRecorder() as rec:
-        amp(torch.randn(4, 8)).sum().backward()
-    first, second = rec.calls_of("addmm")[:2]
-    assert floating(first.in_dtypes) == {torch.bfloat16}
-    assert floating(second.in_dtypes) == {torch.float32}
-    decisions = {n.meta["graphamp"]["source"] for n in amp.graph_module.graph.nodes if n.meta.get("graphamp", {}).get("module") == "2"}
-    assert "custom_black_modules: 2" in decisions
-
-
-def test_black_module_glob_pattern_matches_every_layer():
-    lists = AutoMixedPrecisionLists(dtype="bfloat16", custom_black_modules=["bert.encoder.layer.*.attention"])
-    amp = graphamp.rewrite(models.bert(), (), {"input_ids": models.token_batch()}, amp_lists=lists)
-    in_attention = [
-        n for n in amp.graph_module.graph.nodes
-        if ".attention" in n.meta.get("graphamp", {}).get("module", "") and n.target == torch.ops.aten.linear.default
-    ]
-    assert len(in_attention) == 2 * 4  # q, k, v, output dense in each of 2 layers
-    assert all(n.meta["graphamp"]["decision"] == "black" and n.meta["val"].dtype == torch.float32 for n in in_attention)
-
-
-def test_batch_norm_runs_low_with_fp32_parameters_and_statistics():
-    model = models.SmallResNet()
-    amp = rewrite_bf16(model, torch.randn(4, 1, 8, 8))
-    with DtypeRecorder() as rec:
-        amp(torch.randn(4, 1, 8, 8)).sum().backward()
-    batch_norm = rec.calls_of("native_batch_norm", "_native_batch_norm_legit")[0]
-    assert batch_norm.in_dtypes[0] == torch.bfloat16 and set(batch_norm.in_dtypes[1:]) == {torch.float32}
-    assert model.stem[1].running_mean.dtype == torch.float32
-
-
-def test_level_o2_runs_gray_ops_low_and_keeps_norm_parameters_fp32():
-    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2))
-    o1 = rewrite_bf16(model, torch.randn(4, 8))
-    o2 = rewrite_bf16(model, torch.randn(4, 8), level="O2")
-    x = torch.randn(4, 8)
-    with DtypeRecorder() as rec1:
-        o1(x)
-    with DtypeRecorder() as rec2:
-        o2(x)
-    assert floating(rec1.calls_of("addmm")[1].in_dtypes) == {torch.bfloat16}
-    layer_norm = rec2.calls_of("native_layer_norm")[0]
-    # gray op, FP32 params; its input stays low (the kernel accumulates in FP32)
-    assert layer_norm.in_dtypes == (torch.bfloat16, torch.float32, torch.float32)
-    placeholders_cast = {c.args[0].name for c in inserted_casts(o2.graph_module) if c.args[0].op == "placeholder"}
-    assert not any(name.startswith("p_1_") for name in placeholders_cast)  # LayerNorm's weight and bias
-
-
-def test_level_o2_casts_gray_op_fp32_inputs_down():
-    model = LinearThen(torch.add)
-    o2 = rewrite_bf16(model, torch.randn(2, 8), torch.randn(2, 8), level="O2", fp32_outputs=False)
-    with DtypeRecorder() as rec:
-        out = o2(torch.randn(2, 8), torch.randn(2, 8))
-    assert floating(rec.calls_of("add")[0].in_dtypes) == {torch.bfloat16}
-    assert out.dtype == torch.bfloat16
-
-
-def test_unknown_level_is_rejected():
-    with pytest.raises(ValueError, match="level='O3'"):
-        rewrite_bf16(nn.Linear(2, 2), torch.randn(1, 2), level="O3")
-
-
-def test_float16_lists_keep_exp_fp32_and_bfloat16_lets_it_follow():
-    model = LinearThen(torch.exp)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # float16 on CPU is slow, and said so
-        fp16 = graphamp.rewrite(model, (torch.randn(2, 8),), amp_lists=AutoMixedPrecisionLists(dtype="float16"))
-    bf16 = rewrite_bf16(model, torch.randn(2, 8))
-    exp16 = next(n for n in fp16.graph_module.graph.nodes if n.target == torch.ops.aten.exp.default)
-    exp_bf = next(n for n in bf16.graph_module.graph.nodes if n.target == torch.ops.aten.exp.default)
-    assert exp16.meta["val"].dtype == torch.float32
-    assert exp_bf.meta["val"].dtype == torch.bfloat16
-
-
-@pytest.mark.parametrize("name", ["bert", "gpt2", "resnet"])
-def test_casts_executed_are_no_more_than_torch_autocast(name):
-    """graphamp shares one cast per value; autocast casts per consuming op. BERT's q/k/v share an input."""
-    model, args, kwargs = _model_and_inputs(name)
-    with DtypeRecorder() as autocast_run:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = loss_of(model(*args, **kwargs))
-        loss.backward()
-    amp = graphamp.rewrite(model, args, kwargs, amp_lists=BF16)
-    with DtypeRecorder() as graphamp_run:
-        loss_of(amp(*args, **kwargs)).backward()
-    assert graphamp_run.casts <= autocast_run.casts
-    if name == "bert":
-        assert graphamp_run.casts < autocast_run.casts
-
-
-def _model_and_inputs(name):
-    tokens = models.token_batch()
-    if name == "bert":
-        return models.bert(), (), {"input_ids": tokens, "attention_mask": torch.ones_like(tokens), "labels": torch.tensor([0, 2])}
-    if name == "gpt2":
-        return models.gpt2(), (), {"input_ids": tokens, "labels": tokens}
-    return models.SmallResNet(), (torch.randn(8, 1, 8, 8),), {}
-
-
-def test_in_place_write_makes_an_earlier_cast_stale():
+def test_in_place_write_makes_an_earlier_cast_stale(rewritten):
     class WritesInPlace(nn.Module):
         def __init__(self):
             super().__init__()
@@ -390,7 +326,280 @@ def test_in_place_write_makes_an_earlier_cast_stale():
             h.mul_(2.0)
             return a + self.fc(h)  # must see the doubled h, not the stale cast
 
-    model = WritesInPlace()
+    model, x = WritesInPlace(), torch.randn(4, 8)
+    expected = model(x)
+    amp = rewritten.convert(model, (x,), amp_lists=BF16)
+    torch.testing.assert_close(amp.run(x), expected, rtol=2e-2, atol=2e-2)
+
+
+# -- outputs and gradients -------------------------------------------------------------------------------------------
+
+def test_outputs_come_back_in_the_dtype_the_fp32_model_returns(rewritten):
+    class Both(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 4)
+
+        def forward(self, x):
+            h = self.fc(x)
+            return h, h.bfloat16()  # the second is the model's own low value
+
+    amp = rewritten.convert(Both(), (torch.randn(2, 8),), amp_lists=BF16)
+    with amp.recording() as rec:
+        fp32, low = amp.run(torch.randn(2, 8))
+    assert floating(rec.calls_of("addmm")[0].out_dtypes) == {torch.bfloat16}
+    assert (fp32.dtype, low.dtype) == (torch.float32, torch.bfloat16)
+
+
+def test_gradients_of_a_white_op_reach_fp32_master_weights(rewritten):
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 2))
+    amp = rewritten.convert(model, (torch.randn(4, 8),), amp_lists=BF16)
+    amp.run(torch.randn(4, 8)).sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+# -- one cast per value --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("front_end", ["compile", "export"])
+def test_no_value_is_cast_to_the_same_dtype_twice(converted_case, front_end):
+    amp, _, _ = converted_case("bert", front_end)
+    keys = [(cast.args[0], cast.kwargs["dtype"]) for cast in inserted_casts(amp.graph_module)]
+    assert keys and len(keys) == len(set(keys))
+
+
+@pytest.mark.parametrize("front_end", ["compile", "export"])
+def test_no_cast_to_a_values_own_dtype(converted_case, front_end):
+    amp, _, _ = converted_case("gpt2", front_end)
+    casts = inserted_casts(amp.graph_module)
+    assert casts and all(cast.args[0].meta["val"].dtype != cast.kwargs["dtype"] for cast in casts)
+
+
+@pytest.mark.parametrize("front_end", ["compile", "export"])
+def test_each_parameter_is_cast_at_most_once_per_forward(converted_case, front_end):
+    amp, _, _ = converted_case("bert", front_end)
+    sources = Counter(state_placeholders_cast(amp))
+    assert sources and max(sources.values()) == 1
+
+
+@pytest.mark.parametrize("front_end", ["compile", "export"])
+def test_tied_weights_are_cast_once(converted_case, front_end):
+    amp, _, _ = converted_case("gpt2", front_end)
+    assert amp.model.lm_head.weight is amp.model.transformer.wte.weight
+    tied = [path for path in state_placeholders_cast(amp, torch.bfloat16) if path == "transformer.wte.weight"]
+    assert len(tied) == 1
+
+
+class ExecutedValues(torch.fx.Interpreter):
+    """Runs a graph node by node, keeping each tensor's (dtype, shape) as executed."""
+
+    def __init__(self, graph_module):
+        super().__init__(graph_module)
+        self.executed = {}
+
+    def run_node(self, node):
+        value = super().run_node(node)
+        if isinstance(value, torch.Tensor):
+            self.executed[node] = (value.dtype, tuple(value.shape))
+        return value
+
+
+def _executed_values_of_the_rewritten_graph(front_end):
+    """gpt2's rewritten graph run on its real inputs: the exported program's own, or, on the compile side, those
+    dynamo hands graphamp's backend (rewrite() uses the same backend; its inputs are not reachable from outside)."""
+    torch.manual_seed(0)
+    model, batch = _gpt2_case()
+    if front_end == "export":
+        program = graphamp.export_program(model, (), batch, amp_lists=BF16)
+        user = iter(pytree.tree_leaves(((), batch)))
+        values = {**program.state_dict, **program.constants}
+        inputs = [values[spec.target] if spec.kind.name != "USER_INPUT" else next(user)
+                  for spec in program.graph_signature.input_specs]
+        interpreter = ExecutedValues(program.graph_module)
+        interpreter.run(*inputs)
+        return interpreter.executed
+    amp_backend, executed = graphamp.backend(BF16, inductor=False), {}
+
+    def compile_and_run_node_by_node(gm, example_inputs):
+        compiled = amp_backend(gm, example_inputs)
+        interpreter = ExecutedValues(amp_backend.graphs[-1].graph_module)
+        interpreter.run(*example_inputs)
+        executed.update(interpreter.executed)
+        return compiled
+
+    torch.compile(model, backend=compile_and_run_node_by_node, fullgraph=True)(**batch)
+    return executed
+
+
+@pytest.mark.parametrize("front_end", ["compile", "export"])
+def test_node_meta_val_matches_what_executes(front_end):
+    executed = _executed_values_of_the_rewritten_graph(front_end)
+    for node, dtype_and_shape in executed.items():
+        assert dtype_and_shape == (node.meta["val"].dtype, tuple(node.meta["val"].shape)), node
+    assert len(executed) > 100
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2"])
+@pytest.mark.parametrize("front_end", ["compile", "export"])
+def test_casts_executed_are_no_more_than_torch_autocast(converted_case, front_end, name):
+    """graphamp shares one cast per value; autocast casts per consuming op. BERT's q/k/v share an input."""
+    amp, reference, batch = converted_case(name, front_end)
+    with DtypeRecorder() as autocast_run:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_of(reference(**batch))
+        loss.backward()
+    with amp.recording() as graphamp_run:
+        loss_of(amp.run(**batch)).backward()
+    assert graphamp_run.casts <= autocast_run.casts
+    if name == "bert":
+        assert graphamp_run.casts < autocast_run.casts
+
+
+def test_casts_executed_by_a_cnn_are_no_more_than_torch_autocast(rewritten, seeded):
+    model, x = models.SmallResNet(), torch.randn(8, 1, 8, 8)
+    reference = copy.deepcopy(model)
+    with DtypeRecorder() as autocast_run:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_of(reference(x))
+        loss.backward()
+    amp = rewritten.convert(model, (x,), amp_lists=BF16)
+    with amp.recording() as graphamp_run:
+        loss_of(amp.run(x)).backward()
+    assert 0 < graphamp_run.casts <= autocast_run.casts
+
+
+# -- same lists, same decisions ----------------------------------------------------------------------------------
+
+def floating_decisions(graph_module) -> Counter:
+    """(op, decision, source, dtype) of every node with a floating value, sub-graphs included."""
+    decided = Counter()
+    for module in graph_module.modules():
+        if isinstance(module, torch.fx.GraphModule):
+            for node in module.graph.nodes:
+                mark, value = node.meta.get("graphamp"), node.meta.get("val")
+                if mark and isinstance(value, torch.Tensor) and value.is_floating_point():
+                    decided[str(node.target), str(mark["decision"]), mark["source"], value.dtype] += 1
+    return decided
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2", "llama"])
+def test_both_front_ends_make_the_same_decisions_and_casts(converted_case, name):
+    """Every floating op gets the same decision, from the same list entry, in the same dtype, and the same casts,
+    whether dynamo or torch.export captured the model. (Integer-only ops may differ: transformers builds its
+    masks by another code path under torch.export than under dynamo, and neither is ever cast.)"""
+    compiled, _, _ = converted_case(name, "compile")
+    exported, _, _ = converted_case(name, "export")
+    assert floating_decisions(compiled.graph_module) == floating_decisions(exported.graph_module)
+    assert compiled.report.casts_inserted == exported.report.casts_inserted > 0
+    assert compiled.report.unlisted_ops == exported.report.unlisted_ops
+    assert sorted(state_placeholders_cast(compiled)) == sorted(state_placeholders_cast(exported))
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2", "llama"])
+def test_both_front_ends_give_the_same_loss_and_gradients(converted_case, name):
+    losses, gradients = {}, {}
+    for front_end in ("compile", "export"):
+        amp, _, batch = converted_case(name, front_end)
+        amp.model.zero_grad()
+        loss = amp.run(**batch).loss
+        loss.backward()
+        losses[front_end] = loss
+        gradients[front_end] = {n: p.grad.clone() for n, p in amp.model.named_parameters() if p.grad is not None}
+        amp.model.zero_grad()
+    assert relative_error(losses["compile"], losses["export"]) < 1e-3
+    assert gradients["compile"].keys() == gradients["export"].keys()
+    for name_, gradient in gradients["compile"].items():
+        assert relative_error(gradient, gradients["export"][name_]) < 2e-2, name_
+
+
+def test_a_rewritten_model_exports_the_same_program_as_its_fp32_self(recwarn):
+    """Train with rewrite(), deploy with export_program(): the program is the one the FP32 model gives."""
+    model, x = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 2)), torch.randn(4, 8)
+    before = graphamp.export_program(model, (x,), amp_lists=BF16)
+    graphamp.rewrite(model, (x,), amp_lists=BF16)
+
+    after = graphamp.export_program(model, (x,), amp_lists=BF16)
+
+    assert after.graph_module.code == before.graph_module.code
+    assert floating_decisions(after.graph_module) == floating_decisions(before.graph_module)
+    assert not [w for w in recwarn if "graphamp" in str(w.message)]  # export traced the model's own code
+
+
+# -- black modules, normalizations, levels --------------------------------------------------------------------------
+
+def test_black_modules_keep_every_op_of_the_module_fp32(rewritten):
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    lists = AutoMixedPrecisionLists(dtype="bfloat16", custom_black_modules=["2"])
+    amp = rewritten.convert(model, (torch.randn(4, 8),), amp_lists=lists)
+    with amp.recording() as rec:
+        amp.run(torch.randn(4, 8)).sum().backward()
+    first, second = rec.calls_of("addmm")[:2]
+    assert floating(first.in_dtypes) == {torch.bfloat16}
+    assert floating(second.in_dtypes) == {torch.float32}
+    sources = {n.meta["graphamp"]["source"] for n in amp.graph_module.graph.nodes
+               if n.meta.get("graphamp", {}).get("module") == "2"}
+    assert "custom_black_modules: 2" in sources
+
+
+def test_black_module_glob_pattern_matches_every_layer(rewritten):
+    lists = AutoMixedPrecisionLists(dtype="bfloat16", custom_black_modules=["bert.encoder.layer.*.attention"])
+    graph_module, _ = rewritten(models.bert(), (), {"input_ids": models.token_batch()}, amp_lists=lists)
+    linears = [n for n in graph_module.graph.nodes if n.target == torch.ops.aten.linear.default]
+    in_attention = [n for n in linears if ".attention" in n.meta["graphamp"]["module"]]
+    assert len(in_attention) == 2 * 4  # q, k, v, output dense in each of 2 layers
+    assert all(n.meta["graphamp"]["decision"] == "black" and n.meta["val"].dtype == torch.float32 for n in in_attention)
+    assert {n.meta["graphamp"]["module"] for n in in_attention} >= {
+        "bert.encoder.layer.0.attention.self.query", "bert.encoder.layer.1.attention.output.dense"
+    }  # the model's own named_modules() paths, on both front ends
+    assert all(n.meta["graphamp"]["decision"] == "white" for n in linears if n not in in_attention)
+
+
+def test_batch_norm_runs_low_with_fp32_parameters_and_statistics(rewritten):
+    model = models.SmallResNet()
+    amp = rewritten.convert(model, (torch.randn(4, 1, 8, 8),), amp_lists=BF16)
+    with amp.recording() as rec:
+        amp.run(torch.randn(4, 1, 8, 8)).sum().backward()
+    batch_norm = rec.calls_of("native_batch_norm", "_native_batch_norm_legit")[0]
+    assert batch_norm.in_dtypes[0] == torch.bfloat16 and set(batch_norm.in_dtypes[1:]) == {torch.float32}
+    assert model.stem[1].running_mean.dtype == torch.float32
+    assert not [path for path in state_placeholders_cast(amp) if path.startswith("stem.1.")]
+
+
+def test_level_o2_runs_gray_ops_low_and_keeps_norm_parameters_fp32(rewritten):
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2))
     x = torch.randn(4, 8)
-    amp = rewrite_bf16(model, x)
-    torch.testing.assert_close(amp(x), model(x), rtol=2e-2, atol=2e-2)
+    o2 = rewritten.convert(model, (x,), amp_lists=BF16, level="O2")
+    with o2.recording() as rec:
+        o2.run(x)
+    assert floating(rec.calls_of("addmm")[1].in_dtypes) == {torch.bfloat16}
+    layer_norm = rec.calls_of("native_layer_norm")[0]
+    # gray op, FP32 params; its input stays low (the kernel accumulates in FP32)
+    assert layer_norm.in_dtypes == (torch.bfloat16, torch.float32, torch.float32)
+    cast = state_placeholders_cast(o2)
+    assert {"0.weight", "0.bias", "2.weight", "2.bias"} <= set(cast)
+    assert not {"1.weight", "1.bias"} & set(cast)  # LayerNorm's weight and bias
+
+
+def test_level_o2_casts_gray_op_fp32_inputs_down(rewritten):
+    o2 = rewritten.convert(LinearThen(torch.add), (torch.randn(2, 8), torch.randn(2, 8)), amp_lists=BF16, level="O2")
+    with o2.recording() as rec:
+        out = o2.run(torch.randn(2, 8), torch.randn(2, 8))
+    assert floating(rec.calls_of("add")[0].in_dtypes) == {torch.bfloat16}
+    assert out.dtype == torch.float32  # returned as the FP32 model returns it
+
+
+def test_unknown_level_is_rejected(rewritten):
+    with pytest.raises(graphamp.ArgumentError, match="level='O3'"):
+        rewritten(nn.Linear(2, 2), (torch.randn(1, 2),), amp_lists=BF16, level="O3")
+
+
+def test_float16_lists_keep_exp_fp32_and_bfloat16_lets_it_follow(rewritten):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # float16 on CPU is slow, and said so
+        fp16, _ = rewritten(
+            LinearThen(torch.exp), (torch.randn(2, 8),), amp_lists=AutoMixedPrecisionLists(dtype="float16")
+        )
+    bf16, _ = rewritten(LinearThen(torch.exp), (torch.randn(2, 8),), amp_lists=BF16)
+    (exp16,) = nodes_of(fp16, torch.ops.aten.exp.default)
+    (exp_bf,) = nodes_of(bf16, torch.ops.aten.exp.default)
+    assert exp16.meta["val"].dtype == torch.float32
+    assert exp_bf.meta["val"].dtype == torch.bfloat16

@@ -1,6 +1,7 @@
 """The `graphamp` command: lists, check-lists and export, their exit status and their messages."""
 
 import json
+import re
 import subprocess
 import sys
 import tomllib
@@ -10,7 +11,7 @@ import pytest
 
 from graphamp import AutoMixedPrecisionLists
 from graphamp.cli import main
-from graphamp.lists import default_lists_dir
+from graphamp.policy.lists import default_lists_dir
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -146,6 +147,22 @@ def test_export_writes_the_files_for_gpt2(factory_module, tmp_path, capsys):
     assert "casts inserted" in capsys.readouterr().out
 
 
+def test_export_report_counts_torch_autocasts_casts_on_the_fp32_model(factory_module, tmp_path):
+    module = factory_module("mlp_loss_factory", (
+        "import torch\nfrom torch import nn\n\n"
+        "class Loss(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.fc = nn.Linear(4, 4)\n"
+        "    def forward(self, x):\n        return self.fc(x).square().mean()\n\n"
+        "def make():\n    return Loss(), torch.randn(2, 4)\n"
+    ))
+
+    assert main(["export", f"{module}:make", "--out", "out", "--dtype", "bfloat16"]) == 0
+
+    page = (tmp_path / "out" / "report.html").read_text()
+    assert re.search(r"torch\.autocast on the original model</td><td class=n>[1-9]\d*<", page)
+    assert "Counted: forward and backward" in page
+
+
 def test_export_takes_lists_and_level(factory_module, tmp_path, write_lists):
     module = factory_module("mlp_factory", (
         "import torch\nfrom torch import nn\n\n"
@@ -202,7 +219,7 @@ def test_export_names_a_factory_that_returns_the_wrong_shape(factory_module, cap
     ]
 
 
-def test_export_passes_on_what_rewrite_rejects(factory_module, capsys):
+def test_export_passes_on_what_export_program_rejects(factory_module, capsys):
     module = factory_module("half", (
         "import torch\n\ndef make():\n    return torch.nn.Linear(2, 2).half(), torch.ones(2)\n"
     ))

@@ -72,7 +72,7 @@ def test_defaults_are_paddle_amp_defaults():
         "use_dynamic_loss_scaling": None,
         "max_loss_scaling": None,
         "process_group": None,  # the default group once torch.distributed runs more than one rank
-        "model": None,  # the AmpModules are found through the optimizer's parameters
+        "model": None,  # the rewritten models are found through the optimizer's parameters
     }
 
 

@@ -1,6 +1,6 @@
 """graphamp under torch.distributed: DDP around a rewritten model, decorated optimizers, 2 gloo processes on CPU.
 
-The 2-process job runs once for the module (each start costs seconds of imports and a capture per rank); every
+The 2-process job runs once for the module (each start costs seconds of imports and a compile per rank); every
 scenario is a function run on both ranks, and each test reads the results of one. The example runs under torchrun
 on CPU. A hung rank cannot hang CI: jobs are killed after JOB_TIMEOUT_S, collectives time out after
 COLLECTIVE_TIMEOUT_S.
@@ -36,8 +36,9 @@ COLLECTIVE_TIMEOUT_S = 30
 STEPS = 4
 BATCH = 16
 INF = float("inf")
-FP16 = graphamp.AutoMixedPrecisionLists(dtype="float16")
-BF16 = graphamp.AutoMixedPrecisionLists(dtype="bfloat16")
+# The classifier's last layer in FP32, named by the model's own path (DDP's `module.` is not part of it).
+FP16 = graphamp.AutoMixedPrecisionLists(dtype="float16", custom_black_modules=["body.4"])
+BF16 = graphamp.AutoMixedPrecisionLists(dtype="bfloat16", custom_black_modules=["body.4"])
 REPOSITORY = Path(__file__).resolve().parent.parent
 
 
@@ -63,7 +64,7 @@ def rank_batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return list(DataLoader(TensorDataset(*digits(256)), batch_size=BATCH, sampler=sampler))
 
 
-def rewritten(seed: int, lists: graphamp.AutoMixedPrecisionLists) -> graphamp.amp_module.AmpModule:
+def rewritten(seed: int, lists: graphamp.AutoMixedPrecisionLists) -> DigitsMLP:
     torch.manual_seed(seed)
     return graphamp.rewrite(DigitsMLP(), digits(BATCH), amp_lists=lists, compile=False)
 
@@ -91,23 +92,36 @@ def train(model, optimizer, batches) -> list[float]:
 
 
 def train_on_digits(rank, model):
-    """fp16 with dynamic loss scaling; the last batch has another size, so graphamp captures inside the wrapper."""
+    """fp16 with dynamic loss scaling; the last batch has another size, so dynamo compiles inside the wrapper."""
     optimizer = graphamp.decorate(torch.optim.AdamW(model.parameters(), lr=1e-2), FP16, incr_every_n_steps=2)
     start = full(model.parameters())
     buffers_seen_by_forward = []
     amp_model = model.module if isinstance(model, DistributedDataParallel) else model
-    amp_model.register_forward_pre_hook(lambda module, args: buffers_seen_by_forward.append(flat(module.buffers())))
+
+    @torch.compiler.disable  # run eagerly: traced, its growing list would make dynamo recompile at every step
+    def record_buffers(module, args):
+        buffers_seen_by_forward.append(flat(module.buffers()))
+
+    amp_model.register_forward_pre_hook(record_buffers)
     batches = rank_batches(rank)[:STEPS]
     images, labels = batches[-1]
     batches[-1] = (images[: BATCH // 2], labels[: BATCH // 2])
-    losses = train(model, optimizer, batches)
+    losses = train(model, optimizer, batches[:-1])
+    runs_before_the_new_size = sum(graph.runs for graph in graphamp.rewritten_graphs(amp_model))
+    losses += train(model, optimizer, batches[-1:])
     return {
         "start": start,
         "parameters": full(model.parameters()),
         "buffers_seen_by_forward": torch.stack(buffers_seen_by_forward),
         "losses": losses,
         "loss_scaling": optimizer.get_loss_scaling(),
-        "captures": len(amp_model.captures),
+        "graph_runs_for_the_new_size": sum(graph.runs for graph in graphamp.rewritten_graphs(amp_model))
+        - runs_before_the_new_size,
+        "linear_dtypes": {
+            node.meta["graphamp"]["module"]: node.meta["val"].dtype
+            for graph in graphamp.rewritten_graphs(amp_model) for node in graph.graph_module.graph.nodes
+            if getattr(node.target, "_opname", None) == "linear"
+        },
     }
 
 
@@ -119,7 +133,7 @@ def scenario_ddp_training(rank):
 
 
 def scenario_fsdp2_training(rank):
-    """FSDP2 sharding the rewritten model as a whole (one group; per-layer groups cannot work, see the README)."""
+    """FSDP2 sharding the rewritten model at the root (one group; per-block sharding: test_fsdp.py)."""
     return train_on_digits(rank, fully_shard(rewritten(seed=0, lists=FP16)))  # FSDP2 broadcasts nothing
 
 
@@ -227,8 +241,15 @@ def test_ranks_hold_the_same_grown_loss_scaling(ranks):
     assert rank_0["loss_scaling"] == rank_1["loss_scaling"] > 2.0**16  # incr_every_n_steps=2 over 4 steps
 
 
-def test_a_new_batch_size_is_captured_inside_ddp_forward(ranks):
-    assert [result["captures"] for result in results_of(ranks, scenario_ddp_training)] == [2, 2]
+def test_a_new_batch_size_runs_in_graphamps_graphs_inside_ddp_forward(ranks):
+    """Compiled inside DDP's forward (or served by a dynamic graph): not run eagerly, in float32."""
+    assert [result["graph_runs_for_the_new_size"] for result in results_of(ranks, scenario_ddp_training)] == [1, 1]
+
+
+@pytest.mark.parametrize("scenario", [scenario_ddp_training, scenario_fsdp2_training], ids=["ddp", "fsdp2"])
+def test_the_black_module_named_by_the_models_path_runs_in_float32(ranks, scenario):
+    for result in results_of(ranks, scenario):
+        assert result["linear_dtypes"] == {"body.1": torch.float16, "body.4": torch.float32}
 
 
 @pytest.mark.parametrize(
@@ -257,7 +278,7 @@ def test_fsdp2_around_the_rewritten_model_trains_as_ddp_does(ranks):
         assert fsdp_result["losses"] == pytest.approx(ddp_result["losses"], rel=1e-6)
         torch.testing.assert_close(fsdp_result["parameters"], ddp_result["parameters"])
         assert fsdp_result["loss_scaling"] == ddp_result["loss_scaling"]
-        assert fsdp_result["captures"] == 2
+        assert fsdp_result["graph_runs_for_the_new_size"] == 1
 
 
 def torchrun_example(*args: str) -> list[str]:

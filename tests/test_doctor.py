@@ -5,13 +5,14 @@ values of about 300 (a white op: its module is kept FP32), SquaredEnergy's `h * 
 it goes black for float16). Small tensors: float16 on CPU is slow.
 """
 
+import copy
 import math
 
 import pytest
 import torch
 
 import graphamp
-from graphamp.lists import AutoMixedPrecisionLists
+from graphamp.policy.lists import AutoMixedPrecisionLists
 from graphamp.diagnosis.numerics import unit_roundoff
 from graphamp.diagnosis.suggestions import BLACK_MODULE, BLACK_OP, WHITE_OP
 from models import (
@@ -136,13 +137,12 @@ def test_applying_the_suggestion_makes_float16_training_finite(build, tmp_path):
 def test_loss_and_parameter_gradient_errors_match_a_separate_run(gpt2_bf16_report):
     model, report = gpt2_bf16_report
     batch = gpt2_batch()
-    amp_model = graphamp.rewrite(model, (), batch, amp_lists=BF16)
+    amp_model = graphamp.rewrite(copy.deepcopy(model), (), batch, amp_lists=BF16)
     fp32_loss = model(**batch).loss
     amp_loss = amp_model(**batch).loss
     name = "transformer.h.1.mlp.c_fc.weight"
-    parameter = model.get_parameter(name)
-    (fp32_grad,) = torch.autograd.grad(fp32_loss, [parameter])
-    (amp_grad,) = torch.autograd.grad(amp_loss, [parameter])
+    (fp32_grad,) = torch.autograd.grad(fp32_loss, [model.get_parameter(name)])
+    (amp_grad,) = torch.autograd.grad(amp_loss, [amp_model.get_parameter(name)])
 
     assert report.loss["fp32"] == pytest.approx(fp32_loss.item(), rel=1e-6)
     assert report.loss["amp"] == pytest.approx(amp_loss.item(), rel=1e-6)
@@ -304,11 +304,11 @@ def test_report_prints_the_culprit_the_offenders_and_the_fix():
 
 
 def test_dynamic_doctor_diagnoses_the_symbolic_graph_as_the_static_one(gpt2_bf16_report):
-    """doctor(dynamic=True) runs the graph an AmpModule uses once sizes vary: symbolic dims, the same figures."""
+    """doctor(dynamic=True) runs the graph captured with symbolic sizes: symbolic dims, the same figures."""
     model, static = gpt2_bf16_report
     torch.manual_seed(0)
     dynamic = graphamp.doctor(model, (), gpt2_batch(), amp_lists=BF16, dynamic=True)
-    probe_graph = graphamp.diagnosis.probe.Probe(model, (), gpt2_batch(), torch.bfloat16, dynamic=True).graph_module
+    probe_graph = graphamp.diagnosis.probe.Probe(model, (), gpt2_batch(), dynamic=True).graph_module
     sizes = [n.meta["val"].shape for n in probe_graph.graph.nodes if n.op == "placeholder" and "input_ids" in n.name]
     assert sizes and all(isinstance(d, torch.SymInt) for d in sizes[0])
     assert dynamic.loss["amp"] == pytest.approx(static.loss["amp"], rel=1e-5)

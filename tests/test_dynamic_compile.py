@@ -1,14 +1,14 @@
-"""compile=True on variable lengths: a dynamic graph goes to inductor with dynamic=True and recompiles at most once."""
+"""compile=True on variable lengths: once the lengths vary, one dynamic inductor graph serves every later length."""
 
 from __future__ import annotations
 
-import pytest
+import copy
+
 import torch
 from torch import nn
-from torch._dynamo.callback import CallbackTrigger, callback_handler
 
 import graphamp
-from tests.training import relative_error
+from training import relative_error
 
 BF16_RTOL = 2e-2
 LENGTHS = [12, 7, 16, 9, 5, 14]
@@ -25,30 +25,19 @@ class TokenMLP(nn.Module):
         return self.norm(x + self.down(torch.nn.functional.gelu(self.up(x))))
 
 
-@pytest.fixture
-def forward_compiles():
-    """A list that grows by one per dynamo (forward) compile while the test runs."""
-    compiles = []
-
-    def count(args):
-        if args.callback_trigger == CallbackTrigger.DYNAMO:
-            compiles.append(args.compile_id)
-
-    callback_handler.register_start_callback(count)
-    yield compiles
-    callback_handler.remove_start_callback(count)
-
-
-def test_compiled_variable_lengths_compile_once_per_graph(bf16, seeded, forward_compiles):
+def test_compiled_variable_lengths_compile_one_dynamic_graph_that_serves_the_later_ones(bf16, seeded):
     model = TokenMLP()
-    amp = graphamp.rewrite(model, (torch.randn(4, LENGTHS[0], 32),), amp_lists=bf16, compile=True)
+    reference = copy.deepcopy(model)
+    graphamp.rewrite(model, (torch.randn(4, LENGTHS[0], 32),), amp_lists=bf16, compile=True)
 
-    for length in LENGTHS:
+    for i, length in enumerate(LENGTHS):
         x = torch.randn(4, length, 32)
-        out = amp(x)
+        out = model(x)
         out.pow(2).mean().backward()
-        assert relative_error(out, model(x)) < BF16_RTOL
+        assert relative_error(out, reference(x)) < BF16_RTOL
+        if i == 1:  # two lengths seen: dynamo's automatic dynamic has made the length dynamic
+            compiled = graphamp.rewritten_graphs(model)
 
-    assert len(amp.captures) == 2  # static, then dynamic
-    assert len(forward_compiles) == 2  # one inductor compile each; the dynamic one serves every later length
-
+    graphs = graphamp.rewritten_graphs(model)
+    assert len(graphs) == len(compiled) <= 2  # the first (static, unless sizes varied before), then one dynamic
+    assert all("inductor" in graph.timings for graph in graphs)

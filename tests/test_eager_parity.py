@@ -1,16 +1,20 @@
-"""With default settings an AmpModule gives eager's results wherever the user writes to the model between calls:
-EMA weights copied in and out through `.data`, in-place `.data` edits (clamping, pruning), `param.data = t`,
-submodules swapped for new ones (even where Python reuses the old one's id()), threads calling while another
-captures, torch.compile around the AmpModule, and peft's merge after training."""
+"""With default settings a rewritten model gives eager autocast's results wherever the user writes to the model
+between calls: EMA weights copied in and out through `.data`, in-place `.data` edits (clamping, pruning),
+`param.data = t`, submodules swapped for new ones (even where Python reuses the old one's id()), threads calling
+while another compiles, torch.compile around the rewritten model, peft's merge after training, and a forward a
+trainer patches onto the model."""
 
 import copy
 import threading
+import types
 
 import pytest
 import torch
 from torch import nn
 
 import graphamp
+from conftest import CompiledCodeRecorder
+from graphamp.inspection.recording import floating
 from models import TwoLayer
 from training import relative_error
 
@@ -21,8 +25,10 @@ def model_and_batch(seed=0):
 
 
 def autocast_output(model, x):
+    """torch.autocast's output of the model's own forward on its current weights and submodules, run eagerly (the
+    rewritten model's call refuses an outer autocast)."""
     with torch.autocast("cpu", torch.bfloat16):
-        return model(x).float()
+        return type(model).forward(model, x).float()
 
 
 def train_step(amp, optimizer, x):
@@ -85,9 +91,9 @@ def test_a_swapped_in_submodule_is_used_even_at_the_old_ones_address(bf16):
         assert relative_error(amp(x), autocast_output(model, x)) < 3e-2
 
 
-def test_threads_calling_while_another_captures_never_see_fake_parameters(bf16):
+def test_threads_calling_while_another_compiles_never_see_fake_parameters(bf16):
     model, x = model_and_batch()
-    amp = graphamp.rewrite(model, (x,), amp_lists=bf16, dynamic=False)  # each new batch size is a capture
+    amp = graphamp.rewrite(model, (x,), amp_lists=bf16, dynamic=False)  # each new batch size is a compile
     parameters = list(model.parameters())
     batches = {n: torch.randn(n, 16, generator=torch.Generator().manual_seed(n)) for n in (3, 5, 7, 9, 8, 6)}
     outputs, errors = {}, []
@@ -98,8 +104,8 @@ def test_threads_calling_while_another_captures_never_see_fake_parameters(bf16):
         except Exception as error:  # noqa: BLE001 - reported below, with the thread's batch size
             errors.append((batch_size, error))
 
-    # The threads only call the AmpModule: torch.export's fake mode is process-wide while it captures, so eager
-    # work in other threads at that moment is outside what any lock of graphamp's can guard.
+    # The threads only call the rewritten model: a fake mode is process-wide while dynamo traces, so eager work in
+    # other threads at that moment is outside what any lock can guard.
     threads = [threading.Thread(target=call, args=(n,)) for n in batches]
     for thread in threads:
         thread.start()
@@ -112,7 +118,8 @@ def test_threads_calling_while_another_captures_never_see_fake_parameters(bf16):
         assert relative_error(outputs[n], autocast_output(model, batch)) < 3e-2
 
 
-def test_torch_compile_around_an_amp_module_trains_and_takes_new_shapes(bf16):
+def test_torch_compile_around_a_rewritten_model_trains_and_takes_new_shapes(bf16):
+    """An outer torch.compile (a trainer's torch_compile=True) reaches the rewritten model's own compiled call."""
     model, x = model_and_batch()
     reference = copy.deepcopy(model)
     amp = graphamp.rewrite(model, (x,), amp_lists=bf16)
@@ -120,7 +127,9 @@ def test_torch_compile_around_an_amp_module_trains_and_takes_new_shapes(bf16):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     for batch in (x, x, x[:5]):
-        compiled(batch).square().mean().backward()
+        with CompiledCodeRecorder() as recorder:
+            compiled(batch).square().mean().backward()
+        assert floating(recorder.calls_of("addmm")[0].in_dtypes) == {torch.bfloat16}
         optimizer.step()
         optimizer.zero_grad()
         with torch.autocast("cpu", torch.bfloat16):
@@ -145,21 +154,23 @@ def test_peft_merge_and_unload_after_training_gives_the_merged_models_outputs(bf
     assert relative_error(before, autocast_output(merged, x)) < 3e-2
 
 
-def test_a_forward_patched_onto_the_amp_module_that_bypasses_the_graph_is_named_in_a_warning(bf16):
-    import types
-
+def test_a_forward_a_trainer_patches_onto_the_rewritten_model_runs_in_mixed_precision(bf16):
+    """torch.compile traces whatever `forward` the model has when called: a patched one is rewritten too."""
     model, x = model_and_batch()
     amp = graphamp.rewrite(model, (x,), amp_lists=bf16)
 
-    def trainer_forward(self, x):  # a trainer's patch: runs the submodules itself, in float32
-        return self.fc2(torch.relu(self.fc1(x)))
+    def trainer_forward(self, x):  # a trainer's patch: runs the submodules itself
+        return self.fc2(torch.relu(self.fc1(x))) * 2
 
     amp.forward = types.MethodType(trainer_forward, amp)
-    with pytest.warns(UserWarning, match="trainer_forward.*no mixed precision"):
-        amp(x)
+    with CompiledCodeRecorder() as recorder:
+        out = amp(x)
+    gemms = recorder.calls_of("addmm")
+    assert len(gemms) == 2 and all(floating(call.in_dtypes) == {torch.bfloat16} for call in gemms)
+    assert relative_error(out, 2 * autocast_output(model, x)) < 3e-2
 
 
-def test_a_forward_wrapper_that_calls_the_amp_modules_forward_runs_silently(bf16, recwarn):
+def test_a_forward_wrapper_that_calls_the_models_forward_runs_silently(bf16, recwarn):
     model, x = model_and_batch()
     amp = graphamp.rewrite(model, (x,), amp_lists=bf16)
     inner = amp.forward
@@ -169,4 +180,4 @@ def test_a_forward_wrapper_that_calls_the_amp_modules_forward_runs_silently(bf16
 
     amp.forward = to_fp32
     assert relative_error(amp(x), autocast_output(model, x)) < 3e-2
-    assert not [w for w in recwarn if "no mixed precision" in str(w.message)]
+    assert not [w for w in recwarn if "graphamp" in str(w.message)]

@@ -1,33 +1,67 @@
-"""FSDP2 per-block sharding with regional rewrite, DCP checkpoints and DDP + compile: 2 gloo processes on CPU.
+"""FSDP2 (per block and at the root) and DDP (eager and compile=True) around a rewritten model train like one
+process on both ranks' batches, with black-module patterns written against the model's own paths running in
+FP32; DCP checkpoints resume bit-exact. 2 gloo processes on CPU.
 
-As in test_distributed.py, one 2-process job runs every scenario on both ranks and each test reads the results of
-one. Order of FSDP2's docs: fully_shard(block) for each block, fully_shard(model), then graphamp.rewrite(model, ...) with
-no extra argument (the sharded blocks become regions on their own) and decorate(AdamW(model.parameters())).
+Under a whole-model compile FSDP2's hooks are graph breaks: torch wraps them in torch._dynamo.disable (torch 2.13
+has no `skip_fsdp_hooks` switch left). Dynamo resumes after a break in an ordinary frame, but skips a frame whose
+loop breaks: the frame looping over the sharded blocks runs eagerly, each block's forward is compiled on its own
+(twins share one graph), and the frame around it resumes compiled. So the model here has HF's shape: the blocks'
+loop in an inner module (`body`), the head and the loss in the outer one. One 2-process job runs every scenario
+on both ranks and each test reads the results of one, as in test_distributed.py.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 import graphamp
+from models import VOCAB, ResidualBlock
 from ranks import results_of, results_of_ranks, run_scenarios
-from models import VOCAB, BlockStack
 
 WORLD_SIZE = 2
-JOB_TIMEOUT_S = 300  # two inductor compiles per rank on shared CPU cores
+JOB_TIMEOUT_S = 300  # two inductor compiles per rank (DDP with compile=True) on shared CPU cores
 COLLECTIVE_TIMEOUT_S = 120
-STEPS = 5
+STEPS = 4
 INF = float("inf")
-FP16 = graphamp.AutoMixedPrecisionLists(dtype="float16")
-BF16 = graphamp.AutoMixedPrecisionLists(dtype="bfloat16")
+BLACK_MODULES = ["head", "body.blocks.*.down"]  # the model's own paths; one pattern for every twin block
+FP16 = graphamp.AutoMixedPrecisionLists(dtype="float16", custom_black_modules=BLACK_MODULES)
+BF16 = graphamp.AutoMixedPrecisionLists(dtype="bfloat16", custom_black_modules=BLACK_MODULES)
+
+
+class Body(nn.Module):
+    def __init__(self, n_blocks=2, width=64):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, width)
+        self.blocks = nn.ModuleList(ResidualBlock(width) for _ in range(n_blocks))
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class LanguageModel(nn.Module):
+    """HF's shape: the loop over the blocks in `body`, the head and the loss in the model's own forward."""
+
+    def __init__(self, n_blocks=2, width=64):
+        super().__init__()
+        self.body = Body(n_blocks, width)
+        self.head = nn.Linear(width, VOCAB)
+
+    def forward(self, tokens, labels):
+        return F.cross_entropy(self.head(self.body(tokens)).flatten(0, 1), labels.flatten())
 
 
 def rank_batches(rank: int, steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -40,20 +74,23 @@ def flat(tensors) -> torch.Tensor:
     return torch.cat([(t.full_tensor() if isinstance(t, DTensor) else t).detach().reshape(-1).float() for t in tensors])
 
 
-def sharded_model(seed: int = 0, lists=FP16, **rewrite_options):
+def model_of(seed: int = 0) -> LanguageModel:
     torch.manual_seed(seed)  # FSDP2 broadcasts nothing: every rank builds the same weights
-    model = BlockStack(n_blocks=2)
-    for block in model.blocks:
-        fully_shard(block)
+    return LanguageModel()
+
+
+def sharded(per_block: bool, seed: int = 0, lists=FP16) -> LanguageModel:
+    """FSDP2's documented order: fully_shard each block, then the root; then rewrite the model as it is."""
+    model = model_of(seed)
+    if per_block:
+        for block in model.body.blocks:
+            fully_shard(block)
     fully_shard(model)
-    tokens, labels = rank_batches(0)[0]
-    return model, graphamp.rewrite(model, (tokens, labels), amp_lists=lists, **rewrite_options)
+    return graphamp.rewrite(model, amp_lists=lists)
 
 
-def ddp_model(lists=FP16, compile=False):
-    torch.manual_seed(0)
-    tokens, labels = rank_batches(0)[0]
-    return DistributedDataParallel(graphamp.rewrite(BlockStack(n_blocks=2), (tokens, labels), amp_lists=lists, compile=compile))
+def decorated(parameters, lists=FP16):
+    return graphamp.decorate(torch.optim.AdamW(parameters, lr=1e-2), lists, incr_every_n_steps=2)
 
 
 def train(model, optimizer, batches) -> list[float]:
@@ -66,42 +103,95 @@ def train(model, optimizer, batches) -> list[float]:
     return losses
 
 
-def decorated(parameters, lists=FP16):
-    return graphamp.decorate(torch.optim.AdamW(parameters, lr=1e-2), lists, incr_every_n_steps=2)
+def linears_by_graph(model) -> list[tuple[int, list[tuple[str, torch.dtype]]]]:
+    """For each graph graphamp rewrote: how often it ran, and each linear's module path and dtype."""
+    return [
+        (graph.runs, [
+            (node.meta["graphamp"]["module"], node.meta["val"].dtype)
+            for node in graph.graph_module.graph.nodes if getattr(node.target, "_opname", None) == "linear"
+        ])
+        for graph in graphamp.rewritten_graphs(model)
+    ]
+
+
+def training_result(model, optimizer, batches) -> dict:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses = train(model, optimizer, batches)
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    return {
+        "losses": losses,
+        "parameters": flat(model.parameters()),
+        "loss_scaling": optimizer.get_loss_scaling(),
+        "graphs": linears_by_graph(inner),
+        "eager_warnings": [str(w.message) for w in caught if str(w.message).startswith("graphamp:")],
+    }
 
 
 # -- scenarios --------------------------------------------------------------------------------------------------------
 
 
-def scenario_fsdp_training(rank):
-    model, amp_model = sharded_model()
-    optimizer = decorated(amp_model.parameters())
-    losses = train(amp_model, optimizer, rank_batches(rank))
+def scenario_single_process(rank):
+    """What the ranks together should compute: one process, both ranks' batches in one."""
+    model = graphamp.rewrite(model_of(), amp_lists=FP16)
+    batches = [
+        (torch.cat([t0, t1]), torch.cat([l0, l1])) for (t0, l0), (t1, l1) in zip(rank_batches(0), rank_batches(1))
+    ]
+    return training_result(model, decorated(model.parameters()), batches)
+
+
+def scenario_fsdp_per_block(rank):
+    model = sharded(per_block=True)
+    result = training_result(model, decorated(model.parameters()), rank_batches(rank))
     parameters = list(model.parameters())
-    return {
-        "losses": losses,
-        "parameters": flat(parameters),
-        "all_sharded": all(isinstance(p, DTensor) for p in parameters),
-        "local_fraction": sum(p.to_local().numel() for p in parameters) / sum(p.numel() for p in parameters),
-        "loss_scaling": optimizer.get_loss_scaling(),
-    }
+    result["all_sharded"] = all(isinstance(p, DTensor) for p in parameters)
+    result["local_fraction"] = sum(p.to_local().numel() for p in parameters) / sum(p.numel() for p in parameters)
+    return result
 
 
-def scenario_ddp_training(rank):
-    model = ddp_model()
-    optimizer = decorated(model.parameters())
-    losses = train(model, optimizer, rank_batches(rank))
-    return {"losses": losses, "parameters": flat(model.parameters()), "loss_scaling": optimizer.get_loss_scaling()}
+def scenario_fsdp_at_the_root(rank):
+    model = sharded(per_block=False)
+    return training_result(model, decorated(model.parameters()), rank_batches(rank))
+
+
+def scenario_ddp(rank):
+    model = DistributedDataParallel(graphamp.rewrite(model_of(seed=rank), amp_lists=FP16))  # broadcasts rank 0's
+    return training_result(model, decorated(model.parameters()), rank_batches(rank))
+
+
+def scenario_ddp_compile(rank):
+    results = {}
+    for compile in (False, True):
+        model = DistributedDataParallel(graphamp.rewrite(model_of(), amp_lists=BF16, compile=compile))
+        optimizer = decorated(model.parameters(), BF16)
+        results[compile] = {
+            "losses": train(model, optimizer, rank_batches(rank)),
+            "parameters": flat(model.parameters()),
+            "graphs": linears_by_graph(model.module),
+        }
+    return results
+
+
+def scenario_fsdp_pattern_naming_one_of_twin_blocks(rank):
+    """Twin blocks compiled one at a time share a graph: a pattern that tells them apart cannot be honoured."""
+    lists = graphamp.AutoMixedPrecisionLists(dtype="float16", custom_black_modules=["body.blocks.1.down"])
+    model = sharded(per_block=True, lists=lists)
+    tokens, labels = rank_batches(rank)[0]
+    try:
+        model(tokens, labels)
+    except graphamp.CaptureError as error:
+        return {"error": str(error)}
+    return {"error": None}
 
 
 def scenario_fsdp_inf_on_rank_1(rank):
-    model, amp_model = sharded_model()
-    optimizer = graphamp.decorate(torch.optim.SGD(amp_model.parameters(), lr=0.1), FP16, init_loss_scaling=1024.0)
+    model = sharded(per_block=True)
+    optimizer = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), FP16, init_loss_scaling=1024.0)
     tokens, labels = rank_batches(rank)[0]
     before = flat(model.parameters())
-    optimizer.backward(amp_model(tokens, labels))
+    optimizer.backward(model(tokens, labels))
     if rank == 1:
-        model.blocks[1].up.weight.grad.to_local().view(-1)[0] = INF  # this rank's shard only
+        model.body.blocks[1].up.weight.grad.to_local().view(-1)[0] = INF  # this rank's shard only
     optimizer.step()
     return {
         "moved": not torch.equal(before, flat(model.parameters())),
@@ -117,21 +207,21 @@ def checkpoint_state(model, optimizer) -> dict:
 
 def scenario_dcp_resume(rank, directory):
     batches = rank_batches(rank, steps=6)
-    model, amp_model = sharded_model()
-    optimizer = decorated(amp_model.parameters())
-    train(amp_model, optimizer, batches[:3])
+    model = sharded(per_block=True)
+    optimizer = decorated(model.parameters())
+    train(model, optimizer, batches[:3])
     dcp.save(checkpoint_state(model, optimizer), checkpoint_id=directory)
-    straight = train(amp_model, optimizer, batches[3:])
+    straight = train(model, optimizer, batches[3:])
 
-    resumed_model, resumed_amp_model = sharded_model(seed=1)  # other weights: the checkpoint must replace them
-    resumed_optimizer = decorated(resumed_amp_model.parameters())
+    resumed_model = sharded(per_block=True, seed=1)  # other weights: the checkpoint must replace them
+    resumed_optimizer = decorated(resumed_model.parameters())
     state = checkpoint_state(resumed_model, resumed_optimizer)
     dcp.load(state, checkpoint_id=directory)
     set_state_dict(
         resumed_model, resumed_optimizer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
     )
     resumed_optimizer.loss_scaler.load_state_dict(state["loss_scaler"])
-    resumed = train(resumed_amp_model, resumed_optimizer, batches[3:])
+    resumed = train(resumed_model, resumed_optimizer, batches[3:])
     return {
         "straight": straight,
         "resumed": resumed,
@@ -144,27 +234,15 @@ def scenario_dcp_resume(rank, directory):
     }
 
 
-def scenario_ddp_compile(rank):
-    results = {}
-    for compile in (False, True):
-        model = ddp_model(lists=BF16, compile=compile)
-        optimizer = decorated(model.parameters(), BF16)
-        results[compile] = {"losses": train(model, optimizer, rank_batches(rank)), "parameters": flat(model.parameters())}
-    return results
-
-
-def scenario_fsdp_with_named_regions(rank):
-    model, amp_model = sharded_model(regions="blocks.*")
-    return {"losses": train(amp_model, decorated(amp_model.parameters()), rank_batches(rank))}
-
-
 SCENARIOS = [
-    scenario_fsdp_training,
-    scenario_ddp_training,
+    scenario_single_process,
+    scenario_fsdp_per_block,
+    scenario_fsdp_at_the_root,
+    scenario_ddp,
+    scenario_ddp_compile,
+    scenario_fsdp_pattern_naming_one_of_twin_blocks,
     scenario_fsdp_inf_on_rank_1,
     scenario_dcp_resume,
-    scenario_ddp_compile,
-    scenario_fsdp_with_named_regions,
 ]
 
 
@@ -183,23 +261,56 @@ def ranks(tmp_path_factory):
     return results_of_ranks(_run_scenarios, out, WORLD_SIZE, JOB_TIMEOUT_S)
 
 
-
-
 # -- the specification ------------------------------------------------------------------------------------------------
 
 
-def test_per_block_fsdp2_trains_as_ddp_does(ranks):
-    for fsdp, ddp in zip(results_of(ranks, scenario_fsdp_training), results_of(ranks, scenario_ddp_training)):
-        assert fsdp["losses"] == pytest.approx(ddp["losses"], rel=1e-5)
-        error = ((fsdp["parameters"] - ddp["parameters"]).norm() / ddp["parameters"].norm()).item()
-        assert error <= 1e-5
-        assert fsdp["loss_scaling"] == ddp["loss_scaling"]
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("scenario", [scenario_fsdp_per_block, scenario_fsdp_at_the_root, scenario_ddp],
+                         ids=["fsdp_per_block", "fsdp_at_the_root", "ddp"])
+def test_the_ranks_train_like_one_process_on_both_ranks_batches(ranks, scenario):
+    single, _ = results_of(ranks, scenario_single_process)
+    rank_0, rank_1 = results_of(ranks, scenario)
+    mean_losses = torch.tensor([(a + b) / 2 for a, b in zip(rank_0["losses"], rank_1["losses"])])
+    assert relative(mean_losses, torch.tensor(single["losses"])) < 1e-3
+    assert torch.equal(rank_0["parameters"], rank_1["parameters"])
+    assert relative(rank_0["parameters"], single["parameters"]) < 1e-3
+    assert rank_0["loss_scaling"] == rank_1["loss_scaling"] == single["loss_scaling"] > 2.0**16  # grew twice
+
+
+@pytest.mark.parametrize("scenario", [scenario_fsdp_per_block, scenario_fsdp_at_the_root, scenario_ddp],
+                         ids=["fsdp_per_block", "fsdp_at_the_root", "ddp"])
+def test_black_modules_named_by_the_models_paths_run_in_float32_and_the_rest_low(ranks, scenario):
+    for result in results_of(ranks, scenario):
+        linears = {path: dtype for runs, graph in result["graphs"] if runs for path, dtype in graph}
+        assert linears["head"] == torch.float32
+        assert {dtype for path, dtype in linears.items() if path.endswith(".down")} == {torch.float32}
+        assert {dtype for path, dtype in linears.items() if path.endswith(".up")} == {torch.float16}
+        assert result["eager_warnings"] == []  # no white-list op ran outside graphamp's graphs
+
+
+def test_per_block_sharding_runs_each_block_in_one_shared_graph_and_the_head_in_another(ranks):
+    for result in results_of(ranks, scenario_fsdp_per_block):
+        runs = {tuple(path for path, _ in graph): runs for runs, graph in result["graphs"]}
+        assert runs == {("body.blocks.0.up", "body.blocks.0.down"): 2 * STEPS, ("head",): STEPS}
+
+
+def test_sharding_at_the_root_runs_the_whole_model_in_one_graph(ranks):
+    for result in results_of(ranks, scenario_fsdp_at_the_root):
+        assert [runs for runs, _ in result["graphs"]] == [STEPS]
 
 
 def test_per_block_fsdp2_parameters_stay_sharded_between_steps(ranks):
-    for result in results_of(ranks, scenario_fsdp_training):
+    for result in results_of(ranks, scenario_fsdp_per_block):
         assert result["all_sharded"]
         assert result["local_fraction"] <= 0.6
+
+
+def test_a_pattern_naming_one_of_twin_sharded_blocks_raises_capture_error_with_the_fix(ranks):
+    for result in results_of(ranks, scenario_fsdp_pattern_naming_one_of_twin_blocks):
+        assert "'body.blocks.1.down'" in result["error"] and "every twin alike" in result["error"]
 
 
 def test_inf_in_one_ranks_shard_makes_both_ranks_skip(ranks):
@@ -218,10 +329,8 @@ def test_ddp_with_compile_trains_as_ddp_eager(ranks):
     for result in results_of(ranks, scenario_ddp_compile):
         eager, compiled = result[False], result[True]
         assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-2)
-        error = ((compiled["parameters"] - eager["parameters"]).norm() / eager["parameters"].norm()).item()
-        assert error <= 1e-3
-
-
-def test_naming_the_sharded_blocks_as_regions_trains_the_same(ranks):
-    for named, automatic in zip(results_of(ranks, scenario_fsdp_with_named_regions), results_of(ranks, scenario_fsdp_training)):
-        assert named["losses"] == automatic["losses"]
+        # inductor's fused bfloat16 kernels round otherwise than the fx code's ATen ops: 1.6e-3 measured
+        assert relative(compiled["parameters"], eager["parameters"]) <= 5e-3
+        (runs, linears), = compiled["graphs"]  # what inductor compiled: the casts' decisions
+        linears = dict(linears)
+        assert runs == STEPS and linears["head"] == torch.float32 and linears["body.blocks.1.up"] == torch.bfloat16

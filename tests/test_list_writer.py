@@ -7,7 +7,7 @@ import torch
 
 from graphamp.errors import ListFileError
 from graphamp.diagnosis.list_writer import write_lists
-from graphamp.lists import AutoMixedPrecisionLists, default_lists_dir
+from graphamp.policy.lists import AutoMixedPrecisionLists, default_lists_dir
 
 FP16 = AutoMixedPrecisionLists(dtype="float16")
 BF16 = AutoMixedPrecisionLists(dtype="bfloat16")

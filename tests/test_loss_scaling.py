@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from graphamp import LossScalingError
-from graphamp.loss_scaler import LossScaler
+from graphamp.training.loss_scaler import LossScaler
 
 INF = float("inf")
 NAN = float("nan")

@@ -99,74 +99,81 @@ def one_step(build, dtype, args, kwargs, loss_fn):
     torch.manual_seed(0)
     model = build()
     reference = copy.deepcopy(model)
-    amp = graphamp.rewrite(model, args, kwargs, amp_lists=lists(dtype))
-    out, expected = amp(*args, **kwargs), reference(*args, **kwargs)
+    graphamp.rewrite(model, args, kwargs, amp_lists=lists(dtype))
+    out, expected = model(*args, **kwargs), reference(*args, **kwargs)
     loss, expected_loss = loss_fn(out), loss_fn(expected)
     loss.backward()
     expected_loss.backward()
     return Step(model, out, loss, reference, expected, expected_loss)
 
 
+# Each step is shared by the tests that read it (none changes it): one rewrite per model for the file.
+
+@pytest.fixture(scope="module")
 def gpt2_step():
     ids = token_batch(2, 16)
     return one_step(gpt2, "bfloat16", (), {"input_ids": ids, "labels": ids}, lambda out: out.loss)
 
 
+def resnet_batch():
+    return torch.randn(8, 1, 8, 8, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
 def resnet_step():
-    x = torch.randn(8, 1, 8, 8, generator=torch.Generator().manual_seed(0))
-    return one_step(SmallResNet, "bfloat16", (x,), {}, lambda out: F.cross_entropy(out, torch.arange(8)))
+    return one_step(SmallResNet, "bfloat16", (resnet_batch(),), {}, lambda out: F.cross_entropy(out, torch.arange(8)))
 
 
-def tiny_step(name):
-    build, shape = TINY_MODELS[name]
+@pytest.fixture(scope="module", params=TINY_MODELS)
+def tiny_step(request):
+    build, shape = TINY_MODELS[request.param]
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
     return one_step(build, "float16", (x,), {}, lambda out: F.cross_entropy(out, torch.arange(8) % 4))
 
 
 # -- one forward/backward in bfloat16 ----------------------------------------------------------------------------
 
-def test_bf16_gpt2_logits_and_loss_match_fp32():
-    step = gpt2_step()
+def test_bf16_gpt2_logits_and_loss_match_fp32(gpt2_step):
+    step = gpt2_step
 
     assert relative_error(step.out.logits, step.expected.logits) < BF16_OUTPUT_RTOL
     assert relative_error(step.loss, step.expected_loss) < BF16_LOSS_RTOL
 
 
-def test_bf16_gpt2_logits_carry_bfloat16_rounding():
-    step = gpt2_step()
+def test_bf16_gpt2_logits_carry_bfloat16_rounding(gpt2_step):
+    step = gpt2_step
 
     assert relative_error(step.out.logits, step.expected.logits) > BF16_ROUNDING_FLOOR
 
 
-def test_bf16_gpt2_gradients_match_fp32():
-    step = gpt2_step()
+def test_bf16_gpt2_gradients_match_fp32(gpt2_step):
+    step = gpt2_step
 
     assert relative_error(gradients(step.model), gradients(step.reference)) < BF16_GRADIENT_RTOL
 
 
-def test_bf16_resnet_logits_and_loss_match_fp32():
-    step = resnet_step()
+def test_bf16_resnet_logits_and_loss_match_fp32(resnet_step):
+    step = resnet_step
 
     assert relative_error(step.out, step.expected) < BF16_OUTPUT_RTOL
     assert relative_error(step.loss, step.expected_loss) < BF16_LOSS_RTOL
 
 
-def test_bf16_resnet_gradients_match_fp32():
-    step = resnet_step()
+def test_bf16_resnet_gradients_match_fp32(resnet_step):
+    step = resnet_step
 
     assert relative_error(gradients(step.model), gradients(step.reference)) < RESNET_BF16_GRADIENT_RTOL
     # The head's gradient has not gone back through any BatchNorm yet.
     assert relative_error(step.model.fc.weight.grad, step.reference.fc.weight.grad) < BF16_GRADIENT_RTOL
 
 
-def test_bf16_resnet_gradient_error_is_no_larger_than_autocasts():
+def test_bf16_resnet_gradient_error_is_no_larger_than_autocasts(resnet_step):
     torch.manual_seed(0)
     autocast_model = SmallResNet()  # the same weights as resnet_step's, from the same seed
-    x = torch.randn(8, 1, 8, 8, generator=torch.Generator().manual_seed(0))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = F.cross_entropy(autocast_model(x), torch.arange(8))
+        loss = F.cross_entropy(autocast_model(resnet_batch()), torch.arange(8))
     loss.backward()
-    step = resnet_step()
+    step = resnet_step
 
     graphamp_error = relative_error(gradients(step.model), gradients(step.reference))
     autocast_error = relative_error(gradients(autocast_model), gradients(step.reference))
@@ -176,27 +183,21 @@ def test_bf16_resnet_gradient_error_is_no_larger_than_autocasts():
 
 # -- one forward/backward in float16 -----------------------------------------------------------------------------
 
-@pytest.mark.filterwarnings("ignore:float16 on CPU:UserWarning")
-@pytest.mark.parametrize("name", TINY_MODELS)
-def test_fp16_tiny_model_output_and_loss_match_fp32(name):
-    step = tiny_step(name)
+def test_fp16_tiny_model_output_and_loss_match_fp32(tiny_step):
+    step = tiny_step
 
     assert relative_error(step.out, step.expected) < FP16_OUTPUT_RTOL
     assert relative_error(step.loss, step.expected_loss) < FP16_LOSS_RTOL
 
 
-@pytest.mark.filterwarnings("ignore:float16 on CPU:UserWarning")
-@pytest.mark.parametrize("name", TINY_MODELS)
-def test_fp16_tiny_model_output_carries_float16_rounding(name):
-    step = tiny_step(name)
+def test_fp16_tiny_model_output_carries_float16_rounding(tiny_step):
+    step = tiny_step
 
     assert BF16_ROUNDING_FLOOR > relative_error(step.out, step.expected) > FP16_ROUNDING_FLOOR
 
 
-@pytest.mark.filterwarnings("ignore:float16 on CPU:UserWarning")
-@pytest.mark.parametrize("name", TINY_MODELS)
-def test_fp16_tiny_model_gradients_match_fp32(name):
-    step = tiny_step(name)
+def test_fp16_tiny_model_gradients_match_fp32(tiny_step):
+    step = tiny_step
 
     for parameter, expected in zip(step.model.parameters(), step.reference.parameters()):
         assert relative_error(parameter.grad, expected.grad) < FP16_GRADIENT_RTOL
@@ -206,11 +207,12 @@ def test_fp16_tiny_model_gradients_match_fp32(name):
 
 def train(model, batches, loss_fn, make_optimizer, amp_lists=None, loss_scaling=False):
     """TRAINING_STEPS steps cycling over `batches`; the mean loss of the first and of the last epoch."""
-    net = model if amp_lists is None else graphamp.rewrite(model, *batches[0][:2], amp_lists=amp_lists)
+    if amp_lists is not None:
+        graphamp.rewrite(model, *batches[0][:2], amp_lists=amp_lists)
     optimizer = make_optimizer(model.parameters())
     if loss_scaling:
         optimizer = graphamp.decorate(optimizer, amp_lists=amp_lists)
-    first, last = mean_loss_of_first_and_last_epoch(net, optimizer, batches, loss_fn, TRAINING_STEPS)
+    first, last = mean_loss_of_first_and_last_epoch(model, optimizer, batches, loss_fn, TRAINING_STEPS)
     return first, last, optimizer
 
 
@@ -276,7 +278,6 @@ def test_bf16_training_loss_decreases_and_tracks_fp32(case):
     assert relative_error(last, expected_last) < BF16_TRAINING_LOSS_RTOL
 
 
-@pytest.mark.filterwarnings("ignore:float16 on CPU:UserWarning")
 @pytest.mark.parametrize("name", TINY_MODELS)
 def test_fp16_training_with_loss_scaling_decreases_and_tracks_fp32(name):
     build, shape = TINY_MODELS[name]
@@ -293,3 +294,23 @@ def test_fp16_training_with_loss_scaling_decreases_and_tracks_fp32(name):
     assert optimizer.skipped_steps == 0  # every step updated, as in the FP32 run
     assert last < first
     assert relative_error(last, expected_last) < FP16_TRAINING_LOSS_RTOL
+
+
+def test_bf16_output_of_one_rewritten_model_trains_the_next_as_in_fp32(seeded):
+    """A rewritten encoder's FP32 output feeds a rewritten head: both get FP32 gradients through the pair."""
+    encoder, head = tiny_mlp(), nn.Linear(4, 3)
+    reference_encoder, reference_head = copy.deepcopy(encoder), copy.deepcopy(head)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    graphamp.rewrite(encoder, (x,), amp_lists=lists("bfloat16"))
+    graphamp.rewrite(head, (torch.randn(8, 4),), amp_lists=lists("bfloat16"))
+
+    features = encoder(x)
+    out = head(features)
+    expected = reference_head(reference_encoder(x))
+    out.square().mean().backward()
+    expected.square().mean().backward()
+
+    assert features.dtype == out.dtype == torch.float32
+    assert relative_error(out, expected) < BF16_OUTPUT_RTOL
+    for model, reference in ((encoder, reference_encoder), (head, reference_head)):
+        assert relative_error(gradients(model), gradients(reference)) < BF16_GRADIENT_RTOL

@@ -15,10 +15,10 @@ from pathlib import Path
 
 from torch import nn
 
-from graphamp.amp_module import check_entry_arguments
+from graphamp.policy.config import check_entry_arguments
 from graphamp.diagnosis.list_writer import write_lists
-from graphamp.dtypes import dtype_name
-from graphamp.lists import BLACK, WHITE, AutoMixedPrecisionLists
+from graphamp.policy.dtypes import dtype_name
+from graphamp.policy.lists import BLACK, WHITE, AutoMixedPrecisionLists
 from graphamp.diagnosis.probe import LIST_DECISIONS, NodeNumerics, Probe
 
 __all__ = ["AutoListsResult", "auto_mixed_precision"]
@@ -59,13 +59,8 @@ class AutoListsResult:
 
 
 def auto_mixed_precision(
-    model: nn.Module,
-    example_args=(),
-    example_kwargs=None,
-    tolerance: float = 1e-2,
-    amp_lists: AutoMixedPrecisionLists | None = None,
-    level: str = "O1",
-    loss_fn=None,
+    model: nn.Module, example_args=(), example_kwargs=None, tolerance: float = 1e-2,
+    amp_lists: AutoMixedPrecisionLists | None = None, level: str = "O1", loss_fn=None,
 ) -> AutoListsResult:
     """Lists that run as many ops low as the tolerance allows on this model and input.
 
@@ -82,12 +77,13 @@ def auto_mixed_precision(
         An AutoListsResult: `amp_lists`, the entries moved each way with their measured reasons, and
         `write(folder)`.
     """
-    example_args, example_kwargs, start = check_entry_arguments(
+    example_args, example_kwargs, config = check_entry_arguments(
         "auto_mixed_precision", model, example_args, example_kwargs, amp_lists, level
     )
+    start = config.lists
     if not (isinstance(tolerance, (int, float)) and tolerance > 0):
         raise ValueError(f"tolerance={tolerance!r}: pass a positive relative error, e.g. 1e-2.")
-    probe = Probe(model, example_args, example_kwargs, start.dtype, level, loss_fn)
+    probe = Probe(model, example_args, example_kwargs, level, loss_fn)
     reference = probe.reference(seed=0, backward=False)
     measured = probe.compare(start, reference, backward=False)
     colors = {e.name: e.color for e in start.entries()}
@@ -123,18 +119,13 @@ def auto_mixed_precision(
     low_dtype = dtype_name(start.dtype)
     reasons = {entry: f"auto: low-precision error {cost[entry]:.3g}; loss within {tolerance:.3g}" for entry in cost}
     return AutoListsResult(
-        amp_lists=found,
-        tolerance=tolerance,
-        error=probe.output_error(found, reference),
+        amp_lists=found, tolerance=tolerance, error=probe.output_error(found, reference),
         start_error=probe.output_error(start, reference),
         moved_to_white=sorted(e for e in candidates if e not in black and colors.get(e) == BLACK),
         moved_to_black=sorted(e for e in candidates if e in black and colors.get(e) != BLACK),
         low_nodes=sum(r.runs_in == low_dtype for r in final.nodes),
         start_low_nodes=sum(r.runs_in == low_dtype for r in measured.nodes),
-        op_nodes=len(measured.nodes),
-        evaluations=evaluations,
-        reasons=reasons,
-        start_lists=start,
+        op_nodes=len(measured.nodes), evaluations=evaluations, reasons=reasons, start_lists=start,
     )
 
 

@@ -15,13 +15,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from graphamp.amp_module import check_entry_arguments
+from graphamp.policy.config import check_entry_arguments
 from graphamp.diagnosis.doctor_page import render_doctor_page
 from graphamp.inspection.html_page import format_number
 from graphamp.diagnosis.list_writer import write_lists
-from graphamp.dtypes import dtype_name
+from graphamp.policy.dtypes import dtype_name
 from graphamp.errors import ArgumentError
-from graphamp.lists import AutoMixedPrecisionLists
+from graphamp.policy.lists import AutoMixedPrecisionLists
 from graphamp.diagnosis.numerics import floating_leaves, relative_error
 from graphamp.diagnosis.probe import NodeNumerics, Probe
 from graphamp.diagnosis.suggestions import (
@@ -65,10 +65,8 @@ class DoctorReport:
     @property
     def finite(self) -> bool:
         """Whether every run measured was finite: an FP32 run already inf/NaN counts, though no list is to blame."""
-        return (
-            self.first_nonfinite is None and self.first_nonfinite_grad is None and self.failure is None
-            and self.fp32_nonfinite is None
-        )
+        problems = (self.first_nonfinite, self.first_nonfinite_grad, self.failure, self.fp32_nonfinite)
+        return all(problem is None for problem in problems)
 
     def top_offenders(self, count: int = 10) -> list[NodeNumerics]:
         """The nodes that hurt most: inf/NaN first, then overflow in the low dtype, then their own error."""
@@ -135,15 +133,8 @@ class DoctorReport:
 
 
 def doctor(
-    model: nn.Module,
-    example_args=(),
-    example_kwargs=None,
-    amp_lists: AutoMixedPrecisionLists | None = None,
-    steps: int = 1,
-    level: str = "O1",
-    loss_fn=None,
-    loss_scaling: float = 1.0,
-    dynamic: bool = False,
+    model: nn.Module, example_args=(), example_kwargs=None, amp_lists: AutoMixedPrecisionLists | None = None,
+    steps: int = 1, level: str = "O1", loss_fn=None, loss_scaling: float = 1.0, dynamic: bool = False,
 ) -> DoctorReport:
     """Run `model` forward and backward in FP32 and rewritten by `amp_lists`, node by node on the same inputs.
 
@@ -160,21 +151,22 @@ def doctor(
             output; forward only when there is none).
         loss_scaling: the loss is multiplied by it before backward (and gradients divided after), as a loss
             scaler would: pass `optimizer.get_loss_scaling()` to see float16 gradients as training has them.
-        dynamic: diagnose the graph captured with symbolic sizes, the one an AmpModule runs once sizes have
-            varied (rewrite's automatic dynamic), rather than the static graph of the example's sizes.
+        dynamic: diagnose the graph captured with symbolic sizes (export_program(dynamic=True), or what
+            torch.compile runs once sizes have varied), rather than the static graph of the example's sizes.
 
     Returns:
         A DoctorReport: the first inf/NaN forward and backward, every node's figures, the suggestions
         (`suggested_lists()`, `apply(folder)`), and `write(folder)` for report.json and report.html.
     """
-    example_args, example_kwargs, amp_lists = check_entry_arguments(
+    example_args, example_kwargs, config = check_entry_arguments(
         "doctor", model, example_args, example_kwargs, amp_lists, level
     )
+    amp_lists = config.lists
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps={steps!r}: pass a positive number of runs to measure.")
     if not (isinstance(loss_scaling, (int, float)) and math.isfinite(loss_scaling) and loss_scaling > 0):
         raise ArgumentError(f"loss_scaling={loss_scaling!r}: pass a positive finite number, e.g. 1024.0.")
-    probe = Probe(model, example_args, example_kwargs, amp_lists.dtype, level, loss_fn, loss_scaling, dynamic)
+    probe = Probe(model, example_args, example_kwargs, level, loss_fn, loss_scaling, dynamic)
     report = None
     for step in range(steps):
         reference = probe.reference(seed=step)
@@ -203,19 +195,11 @@ def _report(model, amp_lists, level, steps, reference, comparison) -> DoctorRepo
             "relative_error": relative_error(comparison.loss, reference.loss),
         }
     return DoctorReport(
-        model=type(model).__name__,
-        amp_lists=amp_lists,
-        level=level,
-        steps=steps,
-        nodes=comparison.nodes,
+        model=type(model).__name__, amp_lists=amp_lists, level=level, steps=steps, nodes=comparison.nodes,
         parameters=_parameters(comparison.parameter_grads, reference.parameter_grads),
-        first_nonfinite=comparison.first_nonfinite,
-        first_nonfinite_grad=comparison.first_nonfinite_grad,
-        output_error=comparison.output_error,
-        loss=loss,
-        backward=bool(reference.parameter_grads),
-        failure=comparison.failure,
-        fp32_nonfinite=_nonfinite_in_fp32(reference),
+        first_nonfinite=comparison.first_nonfinite, first_nonfinite_grad=comparison.first_nonfinite_grad,
+        output_error=comparison.output_error, loss=loss, backward=bool(reference.parameter_grads),
+        failure=comparison.failure, fp32_nonfinite=_nonfinite_in_fp32(reference),
     )
 
 
@@ -326,4 +310,3 @@ def format_report(report: DoctorReport, count: int = 10) -> str:
     for s in report.suggestions:
         lines.append(f"  - {s.text}" + ("  [verified by a rerun]" if s.verified else ""))
     return "\n".join(lines)
-

@@ -214,4 +214,3 @@ def _legend() -> str:
     marks.append(f'<line x1="{x - 6}" y1="{y + 54}" x2="{x + 6}" y2="{y + 54}" stroke="#555" stroke-dasharray="4 2"/>'
                  f'<text x="{x + 10}" y="{y + 54}" dominant-baseline="middle">dtype max</text>')
     return '<g class="legend">' + "".join(marks) + "</g>"
-

@@ -11,13 +11,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from graphamp.errors import ListFileError
-from graphamp.dtypes import HALF_DTYPES, dtype_name
-from graphamp.list_files import BLACK_MODULES_FILE, LIST_FILES, PROMOTE_FILE, default_lists_dir
-from graphamp.lists import BLACK, COLORS, GRAY, WHITE, AutoMixedPrecisionLists, canonical_op_name, check_op_name
+from graphamp.policy.dtypes import HALF_DTYPES, dtype_name
+from graphamp.policy.list_files import BLACK_MODULES_FILE, LIST_FILES, PROMOTE_FILE, default_lists_dir
+from graphamp.policy.lists import BLACK, COLORS, GRAY, WHITE, AutoMixedPrecisionLists, canonical_op_name, check_op_name
 
 __all__ = ["write_lists"]
 
-FILES = LIST_FILES
 _WHAT = {
     "white.txt": "ops that run in the low dtype", "black.txt": "ops that run in float32",
     "gray.txt": "ops that follow their inputs", "black_modules.txt": "module patterns whose ops all run in float32",
@@ -30,11 +29,8 @@ _HEADER = """# {file}: {what}. Written by graphamp doctor for {dtype}.
 
 
 def write_lists(
-    folder,
-    amp_lists: AutoMixedPrecisionLists,
-    op_changes: Mapping[str, tuple[str, str]] | None = None,
-    black_modules: Sequence[tuple[str, str]] = (),
-    overwrite: bool = False,
+    folder, amp_lists: AutoMixedPrecisionLists, op_changes: Mapping[str, tuple[str, str]] | None = None,
+    black_modules: Sequence[tuple[str, str]] = (), overwrite: bool = False,
 ) -> Path:
     """Write white.txt, black.txt, gray.txt and black_modules.txt to `folder` (created if missing): the lists
     of `amp_lists` with `op_changes` ({entry: (color, reason)}) and `black_modules` ([(pattern, reason)])
@@ -62,7 +58,7 @@ def write_lists(
         modules[diagnosed].setdefault(pattern, (BLACK, f"doctor: {_one_line(reason)}"))
 
     folder.mkdir(parents=True, exist_ok=True)
-    for file in FILES:
+    for file in LIST_FILES:
         header = _HEADER.format(file=file, what=_WHAT[file], dtype=dtype_name(diagnosed), folder=str(folder))
         if file == PROMOTE_FILE:  # the same for both dtypes, and no change of the doctor's touches it
             body = "[all]\n" + "".join(f"{name}\n" for name in sorted(amp_lists.promote_ops))
@@ -130,7 +126,7 @@ def refuse_to_overwrite(folder: Path, amp_lists: AutoMixedPrecisionLists, overwr
             raise ListFileError(f"{folder}: is the folder of {what}, which is never written over; name a new folder.")
     if folder.exists() and not folder.is_dir():
         raise ListFileError(f"{folder}: is a file, not a folder; name a new folder for the lists.")
-    existing = [name for name in FILES if (folder / name).exists()]
+    existing = [name for name in LIST_FILES if (folder / name).exists()]
     if existing and not overwrite:
         raise ListFileError(
             f"{folder / existing[0]}: already exists; pass overwrite=True to replace it, or name a new folder."

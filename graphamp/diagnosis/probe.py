@@ -1,8 +1,8 @@
 """The doctor's instrument: one captured FP32 graph, run node by node in FP32 and rewritten, on the same inputs.
 
-`Probe` captures the model once. `reference(seed)` runs the FP32 graph and keeps every node's value and
-output gradient; `compare(amp_lists, reference)` rewrites a copy of the graph with those lists and runs it,
-measuring each op node against the reference as it goes:
+`Probe` captures the model once, as an FP32 ExportedProgram (capture_program). `reference(seed)` runs the FP32
+graph and keeps every node's value and output gradient; `compare(amp_lists, reference)` rewrites a copy of the
+graph with those lists and runs it, measuring each op node against the reference as it goes:
 - error: the node's value against FP32, everything upstream included;
 - local_error: the op alone, as the rewritten graph runs it, on the FP32 run's inputs;
 - low_error: the op run in the low dtype on the FP32 run's inputs (what putting it on the white list costs);
@@ -24,14 +24,15 @@ import torch.utils._pytree as pytree
 from torch._ops import HigherOrderOperator, OpOverload
 from torch.fx import GraphModule, Interpreter, Node
 from torch.fx.node import map_arg
+from torch.export.graph_signature import InputKind, OutputKind
 
-from graphamp.capture import capture
-from graphamp.aten_ops import draws_random_numbers, norm_parameter_inputs, written_inputs
-from graphamp.cast_pass import cannot_run_message, insert_casts, module_path, node_dtype
-from graphamp.dtypes import dtype_name
+from graphamp.frontends.export_program import capture_program
+from graphamp.policy.aten_ops import draws_random_numbers, norm_parameter_inputs, written_inputs
+from graphamp.passes.cast_pass import cannot_run_message, insert_casts, module_path, node_dtype
+from graphamp.policy.dtypes import dtype_name
 from graphamp.errors import RewriteError
-from graphamp.lists import BLACK, GRAY, WHITE, AutoMixedPrecisionLists, Decision, op_lookup_keys
-from graphamp.amp_module import fp32_placeholders
+from graphamp.policy.lists import BLACK, GRAY, WHITE, AutoMixedPrecisionLists, Decision, op_lookup_keys
+from graphamp.policy.config import AmpConfig
 from graphamp.diagnosis.numerics import floating_leaves, nonfinite_where_finite, range_in, relative_error
 
 __all__ = ["Comparison", "LIST_DECISIONS", "NodeNumerics", "Probe", "Reference"]
@@ -105,51 +106,47 @@ class NodeRunFailed(Exception):
 
 
 class Probe:
-    """A model captured once, with the inputs and parameter copies both runs are fed."""
+    """A model captured once as an FP32 ExportedProgram, with the inputs and parameter copies both runs are fed."""
 
-    def __init__(
-        self, model, example_args, example_kwargs, dtype, level="O1", loss_fn=None, loss_scaling=1.0, dynamic=False
-    ):
-        kwargs = dict(sorted((example_kwargs or {}).items()))  # the order rewrite() captures in
-        self.model = model
+    def __init__(self, model, example_args, example_kwargs, level="O1", loss_fn=None, loss_scaling=1.0, dynamic=False):
+        kwargs = dict(example_kwargs or {})
         self.level = level
         self.loss_fn = loss_fn
         self.loss_scaling = float(loss_scaling)
-        self.captured = capture(model, example_args, kwargs, dynamic=dynamic)
+        self.program = capture_program(model, example_args, kwargs, dynamic)
+        self.graph_module = self.program.graph_module
         self.user_inputs = pytree.tree_leaves((example_args, kwargs))
-        for index, node in enumerate(self.captured.graph_module.graph.nodes):
+        signature = self.program.graph_signature
+        self._user_outputs = [i for i, s in enumerate(signature.output_specs) if s.kind == OutputKind.USER_OUTPUT]
+        self._out_spec = self.program.call_spec.out_spec
+        for index, node in enumerate(self.graph_module.graph.nodes):
             node.meta[_INDEX] = index
         # Values a later op writes into (BatchNorm's output under ReLU(inplace=True)) are kept as copies.
         self._overwritten = {
             value.meta[_INDEX]
-            for node in self.captured.graph_module.graph.nodes
+            for node in self.graph_module.graph.nodes
             if node.op == "call_function" and isinstance(node.target, OpOverload)
             for value in written_inputs(node)
         }
-        names = self.captured.parameter_placeholders
-        placeholders = self.captured.graph_module.graph.find_nodes(op="placeholder")
-        # Leaf copies of the parameters: autograd.grad on them leaves the model's own .grad alone.
+        self._parameter_placeholders = frozenset(signature.inputs_to_parameters)
+        # Leaf copies of the parameters (one per tensor: tied weights share it): autograd.grad on them leaves the
+        # model's own .grad alone. Buffers and constants are cloned per run: BatchNorm updates its statistics in place.
         self.parameters: dict[str, torch.Tensor] = {}
-        self._feeds = []
-        for placeholder, source in zip(placeholders, self.captured.lifted):
-            tensor = source.get()
-            if placeholder.name in names:
-                leaf = tensor.detach().clone().requires_grad_(tensor.requires_grad)
-                self.parameters.setdefault(names[placeholder.name], leaf)
+        leaves: dict[int, torch.Tensor] = {}
+        self._feeds, state = [], {**self.program.state_dict, **self.program.constants}
+        for spec in (s for s in signature.input_specs if s.kind != InputKind.USER_INPUT):
+            value = state[spec.target]
+            if spec.kind == InputKind.PARAMETER:
+                leaf = leaves.setdefault(id(value), value.detach().clone().requires_grad_(value.requires_grad))
+                self.parameters.setdefault(spec.target, leaf)
                 self._feeds.append(lambda leaf=leaf: leaf)
-            else:  # buffers are cloned per run: BatchNorm updates its statistics in place
-                self._feeds.append(lambda tensor=tensor: tensor.detach().clone())
-
-    @property
-    def graph_module(self) -> GraphModule:
-        return self.captured.graph_module
+            else:  # a custom object (torch.classes) is fed as it is
+                self._feeds.append(lambda v=value: v.detach().clone() if isinstance(v, torch.Tensor) else v)
 
     def rewritten(self, amp_lists: AutoMixedPrecisionLists) -> GraphModule:
         """A copy of the captured graph with the cast pass run on it by `amp_lists`."""
         graph_module = copy.deepcopy(self.graph_module)
-        insert_casts(
-            graph_module, amp_lists, self.level, True, fp32_placeholders(self.model, self.captured, self.level)
-        )
+        insert_casts(graph_module, AmpConfig(amp_lists, self.level), parameters=self._parameter_placeholders)
         return graph_module
 
     # -- runs ----------------------------------------------------------------------------------------------
@@ -231,10 +228,8 @@ class Probe:
                 outputs, loss, _ = self._run(graph_module, reference.seed, None, False, 1.0)
         except (NodeRunFailed, RewriteError):
             return math.inf
-        if loss is not None and reference.loss is not None:
-            error = relative_error(loss, reference.loss)
-        else:
-            error = relative_error(outputs, reference.outputs)
+        both_losses = loss is not None and reference.loss is not None
+        error = relative_error(loss, reference.loss) if both_losses else relative_error(outputs, reference.outputs)
         return math.inf if error is None or math.isnan(error) else error
 
     def _run(self, graph_module, seed, observe, backward, loss_scaling):
@@ -243,7 +238,7 @@ class Probe:
         with torch.random.fork_rng(devices=devices), torch.enable_grad() if backward else nullcontext():
             torch.manual_seed(seed)
             flat = _Observed(graph_module, observe).run(*(feed() for feed in self._feeds), *self.user_inputs)
-        outputs = pytree.tree_unflatten([flat[i] for i in self.captured.user_outputs], self.captured.out_spec)
+        outputs = pytree.tree_unflatten([flat[i] for i in self._user_outputs], self._out_spec)
         loss = self.loss_fn(outputs) if self.loss_fn is not None else _scalar_loss(outputs)
         grads = {}
         trainable = {name: p for name, p in self.parameters.items() if p.requires_grad}
@@ -367,10 +362,7 @@ def _compare_grad(grad, key, record, reference, loss_scaling, grad_order) -> Non
 
 def _scalar_loss(outputs) -> torch.Tensor | None:
     """The model's loss: its first scalar floating output (transformers' `.loss`)."""
-    return next(
-        (t for t in pytree.tree_leaves(outputs) if isinstance(t, torch.Tensor) and t.dim() == 0 and t.is_floating_point()),
-        None,
-    )
+    return next((t for t in floating_leaves(outputs) if t.dim() == 0), None)
 
 
 def _worst(a: float, b: float) -> float:

@@ -18,20 +18,14 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from graphamp.dtypes import dtype_name
-from graphamp.lists import BLACK, WHITE, AutoMixedPrecisionLists
+from graphamp.policy.dtypes import dtype_name
+from graphamp.policy.lists import BLACK, WHITE, AutoMixedPrecisionLists
 from graphamp.diagnosis.numerics import unit_roundoff
 from graphamp.diagnosis.probe import LIST_DECISIONS, Comparison, NodeNumerics, Probe, Reference
 
 __all__ = [
-    "MAX_FIX_ROUNDS",
-    "ROUNDINGS_ALLOWED",
-    "Suggestion",
-    "UNDERFLOW_ALLOWED",
-    "accuracy_and_speed",
-    "fixes_for_nonfinite",
-    "lists_with",
-    "measured_on_the_loss",
+    "MAX_FIX_ROUNDS", "ROUNDINGS_ALLOWED", "Suggestion", "UNDERFLOW_ALLOWED", "accuracy_and_speed",
+    "fixes_for_nonfinite", "lists_with", "measured_on_the_loss",
 ]
 
 BLACK_OP, BLACK_MODULE, WHITE_OP = "black_op", "black_module", "white_op"
@@ -100,9 +94,7 @@ def accuracy_and_speed(nodes: list[NodeNumerics], dtype: torch.dtype, taken: set
         if all(r.decision == BLACK for r in records) and _fits(records, limit):
             errors = [r.low_error for r in records]
             reason = f"measured error in {low} at most {max(errors):.3g} over {len(records)} node(s), values fit {low}"
-            suggestions.append(
-                Suggestion(WHITE_OP, entry, f"move `{entry}` from black to white ({reason})", reason)
-            )
+            suggestions.append(Suggestion(WHITE_OP, entry, f"move `{entry}` from black to white ({reason})", reason))
     return suggestions
 
 
@@ -163,4 +155,3 @@ def _fits(records: list[NodeNumerics], limit: float) -> bool:
 
 def _where(record: NodeNumerics) -> str:
     return f"{record.module} ({record.name})" if record.module else record.name
-

@@ -1,4 +1,5 @@
-"""export(): write what the cast pass did to one folder, for people and for tools.
+"""export(): write what the cast pass did to files, for people and for tools: one folder for the ExportedProgram
+export_program() returns, one a graph (graph_0, graph_1, ...) for a model rewrite() converted or a graphamp.backend.
 
 - graph.py: the rewritten graph as Python (fx's readable code); every op line ends with its decision, and
   "inserted cast" marks the casts graphamp added.
@@ -18,92 +19,105 @@ from pathlib import Path
 import torch
 import torch.utils._pytree as pytree
 from torch._ops import HigherOrderOperator, OpOverload
+from torch.export import ExportedProgram
 from torch.fx import GraphModule
 
-from graphamp.cast_pass import CAST_OP, node_dtype
-from graphamp.compile_backend import AmpBackend
-from graphamp.dtypes import dtype_name
-from graphamp.errors import ExportError
-from graphamp.lists import Decision, op_lookup_keys
-from graphamp.amp_module import AmpModule
+from graphamp.errors import ArgumentError, ExportError
+from graphamp.frontends.compile_backend import AmpBackend
+from graphamp.frontends.rewrite import AmpState, rewritten_graphs
 from graphamp.inspection.graph_picture import render_svg
 from graphamp.inspection.recording import DtypeRecorder
 from graphamp.inspection.report_page import CastCounts, render_report
+from graphamp.passes.cast_pass import CAST_OP, node_dtype
+from graphamp.policy.dtypes import dtype_name
+from graphamp.policy.lists import Decision, op_lookup_keys
 
 __all__ = ["FILES", "export"]
 
 FILES = ("graph.py", "graph.json", "graph.svg", "report.html", "diff.txt")
 
 
-def export(
-    amp_model: AmpModule | AmpBackend, out_dir, example_args=None, example_kwargs=None, overwrite: bool = False
-) -> Path:
-    """Write graph.py, graph.json, graph.svg, report.html and diff.txt for the graph `amp_model` last ran.
+def export(what, out_dir, example_args=None, example_kwargs=None, overwrite: bool = False, model=None) -> Path:
+    """Write graph.py, graph.json, graph.svg, report.html and diff.txt for what graphamp rewrote.
 
-    For a graphamp.backend, one such set of files a graph it rewrote, in out_dir/graph_0, graph_1, ...
-
-    report.html reruns the model once through graphamp and once under torch.autocast, to count the casts each
-    executes; the model's buffers and RNG state are restored after.
+    For an ExportedProgram, one set of files in out_dir; report.html counts the casts executed by rerunning
+    `program.module()` on the example inputs, and, given `model`, torch.autocast's on that FP32 model (forward and
+    backward when it returns a scalar loss); buffers and RNG state are restored after. For a model rewrite()
+    converted or a graphamp.backend, one set a graph it rewrote, in out_dir/graph_0, graph_1, ...; those graphs
+    are not rerun (graphamp keeps no inputs), so report.html counts the cast nodes in each.
 
     Args:
-        amp_model: what `graphamp.rewrite()` returned, or the `graphamp.backend(...)` a torch.compile'd model ran.
+        what: the ExportedProgram graphamp.export_program() returned, a model graphamp.rewrite() converted (and
+            called at least once), or the graphamp.backend(...) a torch.compile'd model ran.
         out_dir: the folder to write (created if missing).
-        example_args, example_kwargs: a call of the model for the reruns, with the shapes of the graph last
-            run. Default: the inputs that graph was captured on, which an AmpModule keeps for its newest
-            capture only (so that its cache holds no more than one batch).
+        example_args, example_kwargs: a call of the program for the reruns (default: the program's
+            example_inputs, those it was exported on).
         overwrite: replace the files of an earlier export in `out_dir`; without it they are an ExportError.
+        model: the FP32 nn.Module the program was exported from, for torch.autocast's count.
 
     Returns:
         The folder.
     """
-    if isinstance(amp_model, AmpBackend):
-        return _export_backend(amp_model, Path(out_dir), overwrite)
-    if not isinstance(amp_model, AmpModule):
-        raise TypeError(
-            f"export() takes the AmpModule that graphamp.rewrite() returns, or a graphamp.backend, got "
-            f"{type(amp_model).__name__}."
-        )
     out = Path(out_dir)
-    check_out_dir(out, overwrite)
-    captured = next(c for c in amp_model.captures if c.graph_module is amp_model.graph_module)
+    if isinstance(what, ExportedProgram):
+        return _export_program(what, out, example_args, example_kwargs, overwrite, model)
+    if isinstance(what, AmpBackend) or isinstance(getattr(what, "_graphamp", None), AmpState):
+        return _export_graphs(what, out, overwrite)
+    raise ArgumentError(
+        f"export() takes the ExportedProgram graphamp.export_program() returns, a model graphamp.rewrite() "
+        f"converted, or a graphamp.backend; got a {type(what).__name__}. For an FP32 model: "
+        f"graphamp.export(graphamp.export_program(model, example_args), out_dir, model=model)."
+    )
+
+
+def _export_program(program: ExportedProgram, out: Path, example_args, example_kwargs, overwrite, model) -> Path:
+    graph_module = program.graph_module
+    report = graph_module.meta.get("graphamp_report")
+    if report is None:
+        raise ArgumentError(
+            "export() got an ExportedProgram without graphamp's report: make it with graphamp.export_program() "
+            "(torch.export.load does not keep the report; export the program before saving it)."
+        )
+    inputs = program.example_inputs  # export_program() keeps the (args, kwargs) it exported on
     if example_args is not None or example_kwargs is not None:
         args = example_args if isinstance(example_args, tuple) else (() if example_args is None else (example_args,))
         inputs = (args, dict(example_kwargs or {}))
-    elif captured.example_inputs is not None:
-        inputs = captured.example_inputs
-    else:
-        raise ValueError(
-            "export() reruns the graph amp_model last ran, but that capture no longer holds its example inputs "
-            "(only the newest capture keeps them): pass example_args/example_kwargs, a call of the model."
-        )
-    lifted = captured.graph_module.graph.find_nodes(op="placeholder")[: len(captured.lifted)]
+    check_out_dir(out, overwrite)
+    signature = program.graph_signature
+    state = {**signature.inputs_to_parameters, **signature.inputs_to_buffers}
+    user_inputs = set(signature.user_inputs)
+    lifted = [n for n in graph_module.graph.find_nodes(op="placeholder") if n.name not in user_inputs]
+    name = type(model).__name__ if model is not None else "exported program"
     texts = graph_files(
-        type(amp_model.original_module).__name__, captured.graph_module, captured.report, captured.original_code,
-        lifted, captured.parameter_placeholders, lambda: count_executed_casts(amp_model, captured, inputs),
+        name, graph_module, report, graph_module.meta.get("graphamp_original_code", ""), lifted, state,
+        lambda: count_executed_casts(program, model, inputs, report.dtype),
     )
     _write(out, texts)
     return out
 
 
-def _export_backend(amp_backend: AmpBackend, out: Path, overwrite: bool) -> Path:
-    """One folder a graph, graph_0, graph_1, ... in the order dynamo compiled them. The graphs are not rerun
-    (the backend keeps no inputs): report.html counts the casts in the graph, not the ones executed."""
-    if not amp_backend.graphs:
-        raise ValueError(
-            "export() got a graphamp.backend that has rewritten no graph yet: call the torch.compile'd model once "
-            "before exporting its graphs."
+def _export_graphs(what, out: Path, overwrite: bool) -> Path:
+    """One folder a graph, graph_0, graph_1, ... in the order dynamo compiled them."""
+    graphs = rewritten_graphs(what)
+    if not graphs:
+        raise ArgumentError(
+            f"export() got a {type(what).__name__} with no rewritten graph yet: call the model once (or rewrite it "
+            f"with example inputs) before exporting its graphs."
         )
-    folders = [out / f"graph_{i}" for i in range(len(amp_backend.graphs))]
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{out}: is a file, not a folder; pass a folder for the export (created if missing).")
+    folders = [out / f"graph_{i}" for i in range(len(graphs))]
     for folder in folders:
         check_out_dir(folder, overwrite)
-    for i, (folder, graph) in enumerate(zip(folders, amp_backend.graphs)):
+    name = "torch.compile" if isinstance(what, AmpBackend) else type(what).__name__
+    for i, (folder, graph) in enumerate(zip(folders, graphs)):
         placeholders = graph.graph_module.graph.find_nodes(op="placeholder")
         lifted = [n for n in placeholders if n.name in graph.parameter_placeholders]
         in_graph = sum(n.target == CAST_OP for n in graph.graph_module.graph.nodes)
-        not_rerun = CastCounts(in_graph, None, False, "a torch.compile backend's graph is not rerun; graphamp's count "
+        not_rerun = CastCounts(in_graph, None, False, "a torch.compile graph is not rerun; graphamp's count "
                                "is the cast nodes in the graph")
         texts = graph_files(
-            f"torch.compile graph {i}", graph.graph_module, graph.report, graph.original_code, lifted,
+            f"{name} graph {i}", graph.graph_module, graph.report, graph.original_code, lifted,
             graph.parameter_placeholders, lambda: not_rerun,
         )
         _write(folder, texts)
@@ -243,38 +257,38 @@ def graph_diff(original_code: str, graph_module: GraphModule, summary: dict) -> 
     def code_lines(code):
         return [line + "\n" for line in code.splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
-    diff = difflib.unified_diff(
+    return "".join(difflib.unified_diff(
         code_lines(original_code),
         code_lines(graph_module.print_readable(print_output=False)),
         fromfile="captured (torch.export)",
         tofile=f"rewritten (graphamp {summary['dtype']} {summary['level']})",
         n=1,
-    )
-    return "".join(diff)
+    ))
 
 
 # -- casts executed: graphamp vs torch.autocast ----------------------------------------------------------------
 
-def count_executed_casts(amp_model: AmpModule, captured, inputs: tuple) -> CastCounts:
-    """Casts executed by the rewritten graph and by torch.autocast on the original, on `inputs` (args, kwargs).
+def count_executed_casts(program: ExportedProgram, model, inputs: tuple, dtype: torch.dtype) -> CastCounts:
+    """Casts executed by the program's module and, given the FP32 `model`, by torch.autocast on it, on `inputs`
+    (args, kwargs).
 
-    Forward and backward when the model returns a scalar loss, else forward only; the same for both. Gradients
+    Forward and backward when the program returns a scalar loss, else forward only; the same for both. Gradients
     come from torch.autograd.grad, so no `.grad` is touched.
     """
-    model = amp_model.original_module
     args, kwargs = inputs
-    device = next(model.parameters(), torch.empty(0)).device
-    with _state_kept(model):
-        model.train(captured.training)  # the mode of this capture, so amp_model runs this very graph
-        with torch.compiler.set_stance("force_eager"):
-            graphamp, backward = _casts_of(amp_model, model, args, kwargs, nullcontext())
-        control_flow = _control_flow_ops(captured.graph_module)
+    module = program.module()
+    with _state_kept(module), _state_kept(model) if model is not None else nullcontext():
+        graphamp, backward = _casts_of(module, module, args, kwargs, nullcontext())
+        if model is None:
+            return CastCounts(graphamp, None, backward, "pass model= (the FP32 model) to graphamp.export to count them")
+        control_flow = _control_flow_ops(program.graph_module)
         if control_flow:
             # In torch 2.13 they fail under autocast and a dispatch mode, and leave dynamo unable to export them again.
             return CastCounts(graphamp, None, backward, f"{', '.join(control_flow)} cannot run under torch.autocast "
                               f"while kernels are recorded (torch {torch.__version__})")
+        device = next(model.parameters(), torch.empty(0)).device
         try:
-            autocast, _ = _casts_of(model, model, args, kwargs, torch.autocast(device.type, captured.report.dtype))
+            autocast, _ = _casts_of(model, model, args, kwargs, torch.autocast(device.type, dtype))
         except Exception as error:  # the comparison informs; a model autocast cannot run still gets its files
             first_line = (str(error).strip().splitlines() or [""])[0]
             return CastCounts(graphamp, None, backward, f"it failed with {type(error).__name__}: {first_line[:300]}")
@@ -295,11 +309,8 @@ def _casts_of(call, model, args, kwargs, autocast) -> tuple[int, bool]:
     with DtypeRecorder() as recorder:
         with autocast:
             output = call(*args, **kwargs)
-        loss = next(
-            (t for t in pytree.tree_leaves(output)
-             if isinstance(t, torch.Tensor) and t.dim() == 0 and t.is_floating_point() and t.requires_grad),
-            None,
-        )
+        scalars = (t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.dim() == 0)
+        loss = next((t for t in scalars if t.is_floating_point() and t.requires_grad), None)
         parameters = [p for p in model.parameters() if p.requires_grad]
         if loss is not None and parameters:
             torch.autograd.grad(loss, parameters, allow_unused=True)

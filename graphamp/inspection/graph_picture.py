@@ -21,20 +21,11 @@ from pathlib import Path
 from torch.fx import GraphModule, Node
 
 from graphamp.errors import ExportError
-from graphamp.lists import Decision
+from graphamp.policy.lists import Decision
 
 __all__ = [
-    "CAST_FILL",
-    "CAST_STYLE",
-    "FILL",
-    "OTHER_FILL",
-    "SHORT",
-    "collapsed_blocks",
-    "dot_source",
-    "find_dot",
-    "render_svg",
-    "run_dot",
-    "runs_in",
+    "CAST_FILL", "CAST_STYLE", "FILL", "OTHER_FILL", "SHORT", "collapsed_blocks", "dot_source", "find_dot",
+    "render_svg", "run_dot", "runs_in",
 ]
 
 FILL = {"float16": "#b9e4a8", "bfloat16": "#b9e4a8", "float32": "#aecbf2", "float64": "#d5bdf2"}

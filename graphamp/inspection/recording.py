@@ -46,8 +46,8 @@ class DtypeRecorder(TorchDispatchMode):
 
     @property
     def casts(self) -> int:
-        """Dtype conversions executed: autocast's and graphamp's `_to_copy`, and the weight cache's copies into
-        its low-precision copies (`copy_`, `_foreach_copy_`: a destination and a source of different dtypes)."""
+        """Dtype conversions executed: autocast's and graphamp's `_to_copy`, and copies between dtypes (`copy_`,
+        `_foreach_copy_`: a destination and a source of different dtypes)."""
         return sum(_conversions(c) for c in self.calls)
 
 

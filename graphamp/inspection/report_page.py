@@ -12,11 +12,13 @@ from dataclasses import dataclass
 
 from graphamp.inspection.graph_picture import CAST_FILL, FILL, OTHER_FILL, runs_in
 from graphamp.inspection.html_page import escape, render_page
-from graphamp.lists import Decision
+from graphamp.policy.lists import Decision
 
 __all__ = ["CastCounts", "render_report"]
 
 _DECISION_ORDER = {decision: order for order, decision in enumerate(Decision)}
+
+
 @dataclass
 class CastCounts:
     """dtype conversions executed on the capture's inputs: through graphamp and under torch.autocast."""
@@ -44,8 +46,8 @@ def _casts_section(summary: dict, casts: CastCounts) -> str:
         f"<tr><td>graphamp (the rewritten graph)</td><td class=n>{casts.graphamp}</td></tr>\n"
         f"<tr><td>torch.autocast on the original model</td><td class=n>{autocast}</td></tr>\n</table>\n"
         f"<p>Counted: {passes}, both runs in the same train/eval mode and grad mode; a conversion is an "
-        f"executed <code>aten::_to_copy</code> that changes the dtype. graphamp's count includes casting floating "
-        f"outputs back to float32 (<code>fp32_outputs=True</code>).</p>"
+        f"executed <code>aten::_to_copy</code> that changes the dtype. graphamp's count includes the casts of floating "
+        f"outputs back to the dtype the FP32 model gives them.</p>"
     )
 
 
@@ -99,4 +101,3 @@ def _ops_section(summary: dict) -> str:
         "<h2>Ops</h2>\n<table>\n<tr><th>op</th><th>count</th><th>runs in</th><th>decision</th><th>source</th></tr>\n"
         f"{rows}\n</table>"
     )
-

@@ -1,0 +1,298 @@
+"""graphamp as a torch.compile backend: dynamo captures, graphamp's lists and passes decide the dtypes.
+
+Dynamo keeps eager semantics around each graph it hands over (guards on module state, parameters, hooks and
+shapes; recompiles; graph breaks around what it cannot trace). Each graph is lowered to pre-autograd ATen
+(lowering.py), goes through the passes (graphamp.passes), and is compiled by inductor (or run as fx code).
+Autograd differentiates through the casts, so the model's FP32 parameters stay the master weights and their
+gradients arrive in FP32. `rewrite()` compiles the user's model in place with one of these; `torch.compile(model,
+backend="graphamp")` reaches one by name (named_backend.py).
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import time
+import warnings
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch.amp.autocast_mode import is_autocast_available
+from torch.fx import GraphModule
+
+from graphamp.errors import ArgumentError, CaptureError, DoubleAmpError
+from graphamp.frontends.lowering import ModulePaths, rename_module_paths, state_paths, state_placeholders, to_aten
+from graphamp.passes import run_passes
+from graphamp.passes.cast_pass import RewriteReport
+from graphamp.policy.config import AmpConfig
+from graphamp.policy.lists import AutoMixedPrecisionLists
+
+__all__ = ["AmpBackend", "BackendGraph", "backend", "configure_dynamo", "refuse_outer_autocast"]
+
+
+def backend(
+    amp_lists: AutoMixedPrecisionLists | None = None,
+    level: str = "O1",
+    inductor: bool = True,
+    inductor_options: dict | None = None,
+    model: torch.nn.Module | None = None,
+) -> AmpBackend:
+    """A torch.compile backend that runs each captured graph in mixed precision by graphamp's lists.
+
+    Args:
+        amp_lists: the lists that decide each ATen op's dtype (default: the shipped lists in float16).
+        level: 'O1' (the lists decide) or 'O2' (all but black ops run low; normalization weights stay FP32).
+        inductor: compile each rewritten graph with inductor (the default); False runs the rewritten fx code
+            as it is (no compile: eager speed, and a TorchDispatchMode sees every kernel and its dtypes).
+        inductor_options: inductor config patches, merged under those torch.compile's `options=` passes.
+        model: the whole model, when you compile parts of it (its blocks one at a time, FSDP2's recipe): module
+            paths are then the model's, as black-module patterns are written. Without it they are those of the
+            module torch.compile got (a framework wrapper's attribute in front, DDP's `module.`, is dropped).
+
+    Returns:
+        An AmpBackend: pass it as `torch.compile(model, backend=..., mode=..., options=...)`; its `graphs` hold each
+        graph's rewrite and `graphamp.export(it, folder)` writes them.
+    """
+    config = AmpConfig(amp_lists if amp_lists is not None else AutoMixedPrecisionLists(), level)
+    if model is None:
+        return AmpBackend(config, inductor, inductor_options)
+    config.lists.warn_unmatched_black_modules(model)
+    model_ref = weakref.ref(model)
+    return AmpBackend(config, inductor, inductor_options, model_state=lambda: state_paths(model_ref()))
+
+
+@dataclass
+class BackendGraph:
+    """One graph dynamo handed over, as the passes left it."""
+
+    graph_module: GraphModule  # pre-autograd ATen, casts inserted: what inductor compiled (or what runs)
+    report: RewriteReport
+    original_code: str  # the ATen graph before the passes (export's diff.txt)
+    parameter_placeholders: dict[str, str]  # placeholder name -> the parameter's or buffer's path in the model
+    timings: dict = field(default_factory=dict)  # phase -> seconds: lower to ATen, passes, inductor
+    runs: int = 0
+
+
+class AmpBackend:
+    """The backend object: `__call__(gm, example_inputs, mode=None, options=None)` is dynamo's compiler_fn
+    contract. Make it with graphamp.backend(); rewrite() makes one per model."""
+
+    def __init__(self, config: AmpConfig, inductor: bool = True, inductor_options: dict | None = None,
+                 model_state=None):
+        self.config = config
+        self.inductor = inductor
+        self.inductor_options = dict(inductor_options or {})
+        self.graphs: list[BackendGraph] = []
+        self.graph_runs = 0  # every run of every graph: rewrite() tells a call that ran none of them
+        self.counting_depth = False  # while an eager audit watches a call (eager_audit.py) ...
+        self.graphs_running = 0  # ... how many graph runs are under way
+        self._linked_optimizer = None
+        self._module_paths = ModulePaths(model_state)
+        # rewrite() checks the patterns against the model itself; compiled alone, after a whole call (below).
+        self._patterns_checked = model_state is not None or not config.lists.black_modules
+        self._paths_seen: set[str] = set()
+        configure_dynamo()
+
+    @property
+    def amp_lists(self) -> AutoMixedPrecisionLists:
+        return self.config.lists
+
+    @property
+    def level(self) -> str:
+        return self.config.level
+
+    @property
+    def reports(self) -> list[RewriteReport]:
+        """Each rewritten graph's RewriteReport, in the order dynamo compiled them (recompiles add more)."""
+        return [graph.report for graph in self.graphs]
+
+    def link_optimizer(self, optimizer) -> None:
+        """Scale gradients inside every graph by this decorated optimizer's loss scaling, so that a plain
+        `loss.backward()` (any training loop) leaves true FP32 gradients in `.grad`.
+
+        Each graph's floating outputs pass the gradient on times the scale and its inputs (the master weights,
+        the activations from a graph before a graph break) divide it again: between graphs and in `.grad` the
+        gradients are true, inside them (the float16 backward) scaled. One optimizer per backend: give each model
+        its own backend. `rewrite()` links itself at `decorate()`.
+
+        Args:
+            optimizer: what `graphamp.decorate()` returned (the latest link wins).
+        """
+        if not callable(getattr(optimizer, "_run_graph", None)):  # graphamp.training's OptimizerWithMixedPrecision
+            raise ArgumentError(
+                f"link_optimizer() takes the optimizer graphamp.decorate() returns, got {type(optimizer).__name__}: "
+                f"decorate it first."
+            )
+        self._linked_optimizer = weakref.ref(optimizer)
+
+    def __call__(self, gm: GraphModule, example_inputs: list, mode: str | None = None, options: dict | None = None):
+        refuse_outer_autocast(example_inputs, "graphamp was asked to compile a graph")
+        refuse_autocast_inside(gm)
+        timings = {}
+        start = time.perf_counter()
+        aten_graph = to_aten(gm, example_inputs, len(self.graphs))
+        state = state_placeholders(gm, aten_graph)
+        placeholders = [node.name for node in aten_graph.graph.find_nodes(op="placeholder")]
+        to_model_path = self._module_paths.resolver(state, dict(zip(placeholders, example_inputs)))
+        relative_paths = rename_module_paths(aten_graph, to_model_path)
+        self._paths_seen |= {to_model_path(path) for path in relative_paths}
+        original_code = aten_graph.print_readable(print_output=False)
+        timings["lower to ATen"] = time.perf_counter() - start
+        start = time.perf_counter()
+        report = run_passes(aten_graph, self.config, frozenset(state))
+        timings["passes"] = time.perf_counter() - start
+        relative_state, state = state, {name: to_model_path(path) for name, path in state.items()}
+        graph = BackendGraph(aten_graph, report, original_code, state, timings)
+        self.graphs.append(graph)
+        reuse_check = self._reuse_check(relative_state, placeholders, example_inputs, relative_paths, to_model_path)
+        if not self.inductor:
+            # Its code as a function, not a module call: global module hooks (register_module_forward_hook) would
+            # otherwise fire on graphamp's GraphModule, a module eager never calls.
+            from torch.fx._lazy_graph_module import _LazyGraphModule
+
+            _LazyGraphModule.force_recompile(aten_graph)
+            return self._runner(graph, aten_graph.forward, reuse_check)
+        from torch._inductor import list_mode_options
+        from torch._inductor.compile_fx import compile_fx  # imported late: inductor takes seconds to import
+
+        start = time.perf_counter()
+        patches = {**(list_mode_options(mode) if mode else {}), **self.inductor_options, **(options or {})}
+        compiled = compile_fx(aten_graph, example_inputs, config_patches=patches or None)
+        timings["inductor"] = time.perf_counter() - start
+        return self._runner(graph, compiled, reuse_check)
+
+    def _runner(self, graph: BackendGraph, run, reuse_check=None):
+        def call(*args):
+            if reuse_check is not None:
+                reuse_check(args)
+            self.graph_runs += 1
+            graph.runs += 1
+            if graph.runs == 2 and not self._patterns_checked:  # a whole call has compiled all its graphs by now
+                self._warn_unmatched_patterns()
+            if not self.counting_depth:
+                return scaled_when_linked(*args)
+            self.graphs_running += 1
+            try:
+                return scaled_when_linked(*args)
+            finally:
+                self.graphs_running -= 1
+
+        def scaled_when_linked(*args):
+            optimizer = self._linked_optimizer() if self._linked_optimizer is not None else None
+            if optimizer is None or not torch.is_grad_enabled():
+                return run(*args)
+            return optimizer._run_graph(run, args)  # the loss scaling inside the graph (training/in_graph_scaling)
+
+        return call
+
+    def _reuse_check(self, state: dict[str, str], placeholders: list[str], example_inputs: list,
+                     relative_paths: set[str], to_model_path):
+        """For a graph whose module paths were resolved against the model: a check, before each run, that dynamo
+        does not reuse it for a twin block (blocks compiled one at a time share a graph) that the black-module
+        patterns decide otherwise, which would run that block with this one's dtypes."""
+        lists = self.config.lists
+        if not lists.black_modules or self._module_paths.model_state is None or not state:
+            return None
+        first = placeholders.index(next(iter(state)))
+        decided = {path: lists.black_module_for(to_model_path(path)) for path in relative_paths}
+        seen = {id(example_inputs[first])}
+
+        def check(args):
+            if id(args[first]) in seen:
+                return
+            seen.add(id(args[first]))
+            other = self._module_paths.resolver(state, dict(zip(placeholders, args)))
+            for path, pattern in decided.items():
+                if (lists.black_module_for(other(path)) is None) != (pattern is None):
+                    raise CaptureError(
+                        f"dynamo reuses the graph it compiled for '{to_model_path(path)}' for '{other(path)}' "
+                        f"(identical blocks compiled one at a time share one graph), but the black-module patterns "
+                        f"decide the two differently, so '{other(path)}' would run with the other's dtypes. Fix: "
+                        f"compile the whole model (graphamp.rewrite(model)), where each block's ops are decided "
+                        f"where they are, or write the pattern for every twin alike ('layers.*.mlp')."
+                    )
+
+        return check
+
+    def _warn_unmatched_patterns(self) -> None:
+        """A black-module pattern that matched no module of any graph keeps nothing in FP32: say so once."""
+        self._patterns_checked = True
+        paths = sorted(self._paths_seen)
+        for pattern in self.config.lists.black_modules:
+            if not any(fnmatch.fnmatchcase(path, pattern.name) for path in paths):
+                close = difflib.get_close_matches(pattern.name, paths, n=3, cutoff=0.5)
+                hint = f"closest module paths: {', '.join(close)}" if close else f"paths seen: {', '.join(paths[:5])}"
+                warnings.warn(
+                    f"{pattern.source}: black-module pattern '{pattern.name}' matches no module of the graphs "
+                    f"torch.compile captured, so it keeps nothing in FP32 ({hint}). Module paths here are those of "
+                    f"the module torch.compile got; graphamp.rewrite(model) matches them against the whole model.",
+                    stacklevel=3,
+                )
+
+    def __getstate__(self) -> dict:
+        """A pickled backend (torch.save of a compiled model) keeps its configuration; graphs and link are remade."""
+        state = dict(self.__dict__)
+        state.update(graphs=[], graph_runs=0, counting_depth=False, graphs_running=0, _linked_optimizer=None, _module_paths=ModulePaths())
+        return state
+
+    def __repr__(self) -> str:
+        return (
+            f"graphamp.backend(dtype={self.amp_lists.dtype_name}, level={self.level}, inductor={self.inductor}, "
+            f"graphs={len(self.graphs)})"
+        )
+
+
+def refuse_outer_autocast(tensors, what: str) -> None:
+    """torch.autocast around graphamp's graphs would recast their ops by its own lists: say so, with the fix.
+
+    Args:
+        tensors: the values the call or graph runs on (their device types are the ones checked; CPU if none).
+        what: the subject of the message ("graphamp was asked to compile a graph", "GPT2LMHeadModel, rewritten
+            by graphamp, was called").
+    """
+    devices = {t.device.type for t in tensors if isinstance(t, torch.Tensor)} or {"cpu"}
+    active = sorted(d for d in devices if is_autocast_available(d) and torch.is_autocast_enabled(d))
+    if active:
+        raise DoubleAmpError(
+            f"{what} inside an active torch.autocast region on {active[0]}: two AMP systems are on, and autocast "
+            "would override graphamp's lists. Turn one off: drop the torch.autocast context (with accelerate, "
+            "Accelerator(mixed_precision='no'); with Lightning, precision='32-true'; with the HF Trainer, "
+            "bf16=False and fp16=False), or train under autocast without graphamp."
+        )
+
+
+def refuse_autocast_inside(gm: GraphModule) -> None:
+    """torch.autocast turned on inside the code dynamo captured runs its own policy over the graph's ops: the same
+    two AMP systems as an outer region, with no outer region to see. accelerate's mixed_precision (and so the HF
+    Trainer's bf16=True/fp16=True) wraps the model's forward in it. A region that turns autocast off is the model's
+    own FP32 choice, and one turned on again inside it follows graphamp's lists (docs/numerics.md): both stay."""
+    enter, leave = torch.amp.autocast_mode._enter_autocast, torch.amp.autocast_mode._exit_autocast
+    for graph_module in (m for m in gm.modules() if isinstance(m, GraphModule)):
+        enabled_by_region = {}
+        disabled_around = 0
+        for node in graph_module.graph.nodes:
+            if node.op != "call_function" or node.target not in (enter, leave):
+                continue
+            if node.target is leave:
+                disabled_around -= not enabled_by_region.get(node.args[0], True)
+                continue
+            arguments = dict(zip(("device_type", "dtype", "enabled"), node.args)) | node.kwargs
+            enabled_by_region[node] = bool(arguments.get("enabled", True))
+            disabled_around += not enabled_by_region[node]
+            if enabled_by_region[node] and not disabled_around:
+                raise DoubleAmpError(
+                    f"the model's forward turns torch.autocast on ({arguments.get('device_type')}, "
+                    f"{arguments.get('dtype')}) inside the code graphamp compiles: two AMP systems are on, and "
+                    "autocast would override graphamp's lists. Turn one off: with accelerate, "
+                    "Accelerator(mixed_precision='no'); with the HF Trainer (or TRL's configs), bf16=False and "
+                    "fp16=False; or drop the model's own torch.autocast."
+                )
+
+
+def configure_dynamo() -> None:
+    """Dynamo settings graphamp's eager-semantics promise needs, process-wide (documented in docs/backend.md):
+    hooks registered after the first call are guarded on (by default dynamo would never run them), and RNN
+    modules are traced (by default dynamo runs nn.LSTM/GRU eagerly, outside any graph, in FP32)."""
+    torch._dynamo.config.skip_nnmodule_hook_guards = False
+    torch._dynamo.config.allow_rnn = True

@@ -1,0 +1,172 @@
+"""export_program(): the whole model as one static program with graphamp's casts in it, for reading and deploying.
+
+torch.export (non-strict, training IR) captures the model as an ExportedProgram: parameters and buffers are
+placeholders, BatchNorm's statistics are updated in place on them. The passes (graphamp.passes) cast it by the
+lists, as they cast each graph dynamo hands the training path, and the program stays an ExportedProgram:
+`torch.export.save`/`load` round-trip it (each op's decision travels in `node.meta["custom"]`), `.module()`
+runs it, AOTInductor compiles it. `graphamp.export`, the CLI, `doctor` and `auto_mixed_precision` read it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.export import ExportedProgram
+from torch.export.graph_signature import TensorArgument
+
+from graphamp.errors import CaptureError
+from graphamp.frontends.compile_backend import refuse_outer_autocast
+from graphamp.frontends.dynamic_dims import automatic_dynamic_dims, sizes_from_one
+from graphamp.frontends.type_promotion import PromoteMixedInputs
+from graphamp.passes import run_passes
+from graphamp.policy.config import check_entry_arguments
+from graphamp.policy.list_files import default_lists_dir
+from graphamp.policy.lists import read_promote_ops
+
+__all__ = ["capture_program", "explain_capture_failure", "export_program", "rewrite_program"]
+
+_TORCH_DIR = str(Path(torch.__file__).resolve().parent)
+_GRAPHAMP_DIR = str(Path(__file__).resolve().parent.parent)
+
+
+def export_program(
+    model: nn.Module, example_args=(), example_kwargs=None, amp_lists=None, level: str = "O1", dynamic: bool = False
+) -> ExportedProgram:
+    """The whole model as a torch.export ExportedProgram with graphamp's casts inserted by the lists.
+
+    Args:
+        model: the FP32 nn.Module, captured in its current train/eval mode.
+        example_args: positional inputs of one call (a single tensor may be passed bare).
+        example_kwargs: keyword inputs of that call.
+        amp_lists: the white/black/gray lists and dtype (default: the shipped lists, float16).
+        level: "O1" — the lists decide; "O2" — everything but black ops and normalization parameters runs low.
+        dynamic: keep every input dim of size 2 or more symbolic, from 1 up, where the model allows.
+
+    Returns:
+        The ExportedProgram: `.module()` runs it, `torch.export.save` writes it, `graphamp.export(program, dir)`
+        shows it; `program.graph_module.meta["graphamp_report"]` is the cast pass's RewriteReport.
+    """
+    args, kwargs, config = check_entry_arguments("export_program", model, example_args, example_kwargs, amp_lists, level)
+    # Traced under an outer autocast, the program would hold autocast's dtypes as the model's own.
+    refuse_outer_autocast(
+        pytree.tree_leaves((args, kwargs)), f"graphamp.export_program() of {type(model).__name__} was called"
+    )
+    return rewrite_program(capture_program(model, args, kwargs, dynamic), config)
+
+
+def rewrite_program(program: ExportedProgram, config) -> ExportedProgram:
+    """The passes on `program`'s graph in place; the signature's outputs follow the values that now leave."""
+    graph_module = program.graph_module
+    graph_module.meta["graphamp_original_code"] = graph_module.print_readable(print_output=False)
+    outputs_before = _output_names(graph_module)
+    report = run_passes(graph_module, config, frozenset(program.graph_signature.inputs_to_parameters))
+    renamed = dict(zip(outputs_before, _output_names(graph_module)))
+    for spec in program.graph_signature.output_specs:
+        if isinstance(spec.arg, TensorArgument) and renamed.get(spec.arg.name, spec.arg.name) != spec.arg.name:
+            spec.arg = TensorArgument(name=renamed[spec.arg.name])
+    for node in graph_module.graph.nodes:  # the decisions, where torch.export.save keeps them
+        mark = node.meta.get("graphamp")
+        if mark is not None:
+            node.meta.setdefault("custom", {})["graphamp"] = {key: str(value) for key, value in mark.items()}
+    graph_module.meta["graphamp_report"] = report
+    return program
+
+
+def _output_names(graph_module: torch.fx.GraphModule) -> list:
+    output = graph_module.graph.find_nodes(op="output")[0]
+    return [value.name if isinstance(value, torch.fx.Node) else value for value in pytree.tree_leaves(output.args)]
+
+
+def capture_program(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool = False) -> ExportedProgram:
+    """torch.export of `model` on (args, kwargs) in FP32, its current train/eval mode; CaptureError if it cannot be.
+
+    dynamic: leave every dim of the tensor inputs symbolic, from size 1 up, where the model allows.
+    """
+    args, kwargs = _ordinary_tensors((args, kwargs))
+    promote_ops = read_promote_ops(default_lists_dir(), torch.float32, "lists/promote.txt")
+    try:
+        # Grad mode is fixed so that one program serves calls under no_grad/inference_mode too.
+        dims = automatic_dynamic_dims((args, kwargs)) if dynamic else contextlib.nullcontext()
+        with torch.inference_mode(False), torch.enable_grad(), warnings.catch_warnings(), dims, \
+                PromoteMixedInputs(promote_ops):
+            # nn.RNN keeps a Python list of its own parameters; export flags it, but they are parameters.
+            warnings.filterwarnings("ignore", message=r"The tensor attributes self\..*_flat_weights")
+            program = torch.export.export(model, tuple(args), kwargs, strict=False)
+    except CaptureError:
+        raise
+    except Exception as error:
+        raise CaptureError(explain_capture_failure(model, error)) from error
+    if dynamic:
+        sizes_from_one(program.graph_module)
+    return program
+
+
+def _ordinary_tensors(tree):
+    """Inference-mode tensors cannot be traced for autograd: capture on plain copies (values do not matter)."""
+    def plain(t):
+        if t.is_inference():
+            with torch.inference_mode(False):
+                return t.clone()
+        return t
+    return pytree.tree_map_only(torch.Tensor, plain, tree)
+
+
+def explain_capture_failure(model: nn.Module, error: Exception) -> str:
+    """One message: which construct failed, where in the user's code, and the fix."""
+    text = str(error)
+    where = _user_frame(error) or _forward_location(model)
+    at = f" at {where}" if where else ""
+    name = type(model).__name__
+    if "Cache" in text and "not a known type" in text:
+        return (
+            f"cannot capture {name}: it returns a transformers Cache (past_key_values){at}, which torch.export "
+            f"cannot flatten. Fix: set use_cache=False (model.config.use_cache = False, or pass use_cache=False)."
+        )
+    if "not a known type" in text:
+        kind = text.split("Found ", 1)[-1].split(" in output", 1)[0]
+        return (
+            f"cannot capture {name}: forward returns {kind}{at}, which torch.export cannot flatten. Fix: return "
+            f"tensors, tuples or dicts, or register the class with torch.utils._pytree.register_pytree_node."
+        )
+    if type(error).__name__ in ("GuardOnDataDependentSymNode", "UserError") and "data-dependent" in text:
+        return (
+            f"cannot capture {name}: Python control flow depends on a tensor's value{at} (an `if`, `int()` or "
+            f"`.item()` on a tensor). Fix: express it with torch.cond / torch.where, or compute it outside forward; "
+            f"for a transformers model given `labels`, call it without them and compute the loss from the logits."
+        )
+    first_line = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+    return (
+        f"cannot capture {name} with torch.export{at}: {type(error).__name__}: {first_line}. Fix: make that "
+        f"construct traceable (see the torch.export docs on non-strict mode), or keep it out of forward()."
+    )
+
+
+def _user_frame(error: Exception) -> str:
+    """'file:line (code)' of the deepest frame outside torch itself, where the construct is."""
+    frames = traceback.extract_tb(error.__traceback__)
+    user = [
+        f for f in frames
+        if not f.filename.startswith("<")  # code torch generates (<string>, <eval_with_key>) is nobody's to fix
+        and not str(Path(f.filename).resolve()).startswith((_TORCH_DIR, _GRAPHAMP_DIR))
+    ]
+    if not user:
+        return ""
+    frame = user[-1]
+    code = f" ({frame.line.strip()})" if frame.line else ""
+    return f"{frame.filename}:{frame.lineno}{code}"
+
+
+def _forward_location(model: nn.Module) -> str:
+    """'file:line (Class.forward)' where the model's forward is defined, when no frame names the construct."""
+    try:
+        forward = inspect.unwrap(type(model).forward)
+        return f"{inspect.getsourcefile(forward)}:{inspect.getsourcelines(forward)[1]} ({type(model).__name__}.forward)"
+    except (OSError, TypeError):
+        return ""

@@ -1,0 +1,262 @@
+"""Dynamo's torch-level graph lowered to pre-autograd ATen, the IR the cast pass reads (torch.export's training IR).
+
+`make_fx(pre_dispatch=True)` traces the graph in the fake mode dynamo gave the backend, so that its symbolic
+sizes stay symbolic. What make_fx alone would lose is kept:
+- a custom `torch.autograd.Function` (dynamo's `autograd_function_apply`) stays one node with its forward and
+  its backward as ATen sub-graphs, so its backward still reaches the parameters before it;
+- functorch's transforms inside the graph (the vmap of `associative_scan`'s generic path, Mamba's scan) are
+  recorded as export records them, not run on the tracer's tensors;
+- `with torch.autocast(..., enabled=False)` regions become `wrap_with_autocast` sub-graphs, kept FP32;
+- activation checkpoints stay `tag_activation_checkpoint` regions.
+Each node keeps dynamo's `nn_module_stack`, its paths turned into the model's `named_modules()` paths.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import re
+
+import torch
+import torch.fx.traceback as fx_traceback
+import torch.utils._pytree as pytree
+from torch.fx import GraphModule
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from graphamp.errors import CaptureError
+
+__all__ = ["ModulePaths", "module_fqn", "rename_module_paths", "state_paths", "state_placeholders", "to_aten"]
+
+_AUTOGRAD_FUNCTION = getattr(torch.ops.higher_order, "autograd_function_apply", None)
+
+
+def to_aten(gm: GraphModule, example_inputs: list, index: int = 0) -> GraphModule:
+    """Dynamo's graph `gm` as a pre-autograd ATen graph with the same flat inputs and outputs."""
+    fake_mode, fake_inputs = _fake_inputs(gm, example_inputs)
+    _give_checkpoints_their_policy(gm)
+
+    def run(*args):
+        with fx_traceback.preserve_node_meta():  # each new node takes the meta of the dynamo node it came from
+            return _Lowering(gm).run(*args)
+
+    allowed = fake_mode.allow_non_fake_inputs
+    fake_mode.allow_non_fake_inputs = True  # tensors the graph holds as attributes (get_attr) become constants
+    try:
+        with fake_mode, _recording_functorch_transforms():
+            aten_graph = make_fx(run, pre_dispatch=True)(*fake_inputs)
+    except Exception as error:
+        raise CaptureError(
+            f"graphamp could not lower graph #{index} that dynamo captured to ATen ({type(error).__name__}: "
+            f"{str(error).strip().splitlines()[0] if str(error).strip() else ''}). Fix: run that part outside "
+            f"torch.compile (torch.compiler.disable), or graphamp.export_program() the model to see the construct."
+        ) from error
+    finally:
+        fake_mode.allow_non_fake_inputs = allowed
+    return _autocast_regions_as_higher_order_ops(aten_graph)
+
+
+class _Lowering(torch.fx.Interpreter):
+    """Runs dynamo's graph node by node under make_fx; a custom autograd.Function is traced as one node."""
+
+    def call_function(self, target, args, kwargs):
+        if _AUTOGRAD_FUNCTION is not None and target is _AUTOGRAD_FUNCTION:
+            return _trace_autograd_function(*args, **kwargs)
+        return super().call_function(target, args, kwargs)
+
+
+def _trace_autograd_function(forward: GraphModule, backward: GraphModule, *args, **kwargs):
+    """`autograd_function_apply(forward, backward, *args)` recorded as that one node, its bodies lowered to ATen.
+
+    make_fx would run the Function's forward (traced by dynamo under no_grad) op by op and its outputs would
+    carry no gradient back: every parameter before it would get none.
+    """
+    from torch._higher_order_ops.utils import reenter_make_fx, unique_graph_id
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode, track_tensor_tree
+
+    mode = get_proxy_mode()
+    forward_aten = reenter_make_fx(_interpreted(forward))(*args)
+    with disable_proxy_modes_tracing():
+        outputs, saved = _interpreted(forward_aten)(*args)
+        gradients = pytree.tree_map_only(torch.Tensor, torch.empty_like, outputs)
+    backward_aten = reenter_make_fx(_interpreted(backward))(*pytree.tree_leaves(gradients), *saved)
+    _, forward_name = unique_graph_id(mode, prefix="autograd_function_forward")
+    _, backward_name = unique_graph_id(mode, prefix="autograd_function_backward")
+    mode.tracer.root.register_module(forward_name, forward_aten)
+    mode.tracer.root.register_module(backward_name, backward_aten)
+    proxy_args = pytree.tree_map(mode.tracer.unwrap_proxy, (forward_aten, backward_aten, *args))
+    proxy_kwargs = pytree.tree_map(mode.tracer.unwrap_proxy, kwargs)
+    proxy = mode.tracer.create_proxy("call_function", _AUTOGRAD_FUNCTION, proxy_args, proxy_kwargs)
+    with disable_proxy_modes_tracing():
+        result = _AUTOGRAD_FUNCTION(forward_aten, backward_aten, *args, **kwargs)
+    return track_tensor_tree(result, proxy, constant=None, tracer=mode.tracer)
+
+
+def _interpreted(graph_module: GraphModule):
+    return lambda *args: torch.fx.Interpreter(graph_module).run(*args)
+
+
+@contextlib.contextmanager
+def _recording_functorch_transforms():
+    """functorch's pre-dispatch wrappers (`_add_batch_dim`, `_vmap_increment_nesting`) record themselves in the
+    graph only while torch says it is exporting; traced otherwise, they would batch the tracer's own tensors."""
+    exporting = torch.compiler._is_exporting_flag
+    torch.compiler._is_exporting_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_exporting_flag = exporting
+
+
+def _autocast_regions_as_higher_order_ops(aten_graph: GraphModule) -> GraphModule:
+    """`with torch.autocast(..., enabled=False)` in the model traces as enter/exit calls; torch.export's own pass
+    wraps each region in the wrap_with_autocast op, whose body the cast pass keeps as the model wrote it."""
+    enter = torch.amp.autocast_mode._enter_autocast
+    if not aten_graph.graph.find_nodes(op="call_function", target=enter):
+        return aten_graph
+    try:  # a private module of torch.export's: without it the regions are cast like the rest
+        from torch._export.passes.replace_autocast_with_hop_pass import replace_autocast_with_hop_pass
+    except ImportError:
+        return aten_graph
+    return replace_autocast_with_hop_pass(aten_graph, None)[0]
+
+
+def _give_checkpoints_their_policy(gm: GraphModule) -> None:
+    """Tracing a checkpointed region (dynamo's tag_activation_checkpoint) to pre-autograd ATen reads the body's
+    `_checkpoint_context_fn`, which dynamo sets only when the user passed a context_fn (torch 2.13): give plain
+    checkpoints the policy torch itself gives them, recompute everything."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    checkpoint_op = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+    for node in gm.graph.find_nodes(op="call_function", target=checkpoint_op) if checkpoint_op else []:
+        body = getattr(gm, node.args[0].target)
+        body.meta.setdefault(
+            "_checkpoint_context_fn", functools.partial(create_selective_checkpoint_contexts, _recompute_all)
+        )
+
+
+def _recompute_all(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _fake_inputs(gm: GraphModule, example_inputs: list):
+    from torch._guards import TracingContext, detect_fake_mode
+
+    context = TracingContext.try_get()
+    placeholders = gm.graph.find_nodes(op="placeholder")
+    fake_mode = context.fake_mode if context is not None and context.fake_mode is not None else None
+    if fake_mode is None:  # called outside dynamo (a test calling the backend on a GraphModule itself)
+        fake_mode = detect_fake_mode(example_inputs) or torch._subclasses.FakeTensorMode(
+            shape_env=torch.fx.experimental.symbolic_shapes.ShapeEnv()
+        )
+    symbolic = getattr(context, "tensor_to_context", {}) if context is not None else {}
+
+    def fake(value, node):
+        if isinstance(value, torch._subclasses.FakeTensor):
+            return value if value.fake_mode is fake_mode else fake_mode.from_tensor(value)
+        if isinstance(value, torch.Tensor):
+            # The symbolic context dynamo made for this very tensor: its dynamic dims map to the same symbols.
+            symbolic_context = symbolic.get(value) if symbolic else None
+            source = getattr(symbolic_context, "tensor_source", None)
+            return fake_mode.from_tensor(value, symbolic_context=symbolic_context, source=source)
+        traced = node.meta.get("example_value") if node is not None else None
+        return traced if isinstance(value, int) and isinstance(traced, torch.SymInt) else value
+
+    nodes = placeholders + [None] * (len(example_inputs) - len(placeholders))
+    return fake_mode, [fake(value, node) for value, node in zip(example_inputs, nodes)]
+
+
+# The frame-local a path starts from (`L['self']`, `L['args'][0]`, `G['model']`), and the tables between names.
+_ROOT = re.compile(r"^[LG]\[['\"][^'\"]*['\"]\](\[\d+\])?\.?")
+_INDEX = re.compile(r"\[(\d+)\]")
+_KEY = re.compile(r"\[['\"]([^'\"]+)['\"]\]")
+# Attributes through which a framework's wrapper holds the user's model: not part of the model's own paths.
+_WRAPPER_ATTRIBUTES = ("module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_forward_module")
+
+
+def module_fqn(dynamo_path: str) -> str:
+    """`L['self'].model.layers[0]._modules['mlp']` -> `model.layers.0.mlp`, the path named_modules() gives
+    (`..._parameters['weight']` -> `...weight`, as named_parameters())."""
+    path = _ROOT.sub("", dynamo_path)
+    path = _KEY.sub(r".\1", _INDEX.sub(r".\1", path))
+    # `__dict__['base_model']`: how dynamo reads a submodule of a class with its own __getattr__ (PEFT's PeftModel).
+    dropped = ("_modules", "_parameters", "_buffers", "__dict__")
+    parts = [part for part in path.split(".") if part and part not in dropped]
+    return ".".join(parts)
+
+
+def state_placeholders(gm: GraphModule, aten_graph: GraphModule) -> dict[str, str]:
+    """{ATen placeholder name: parameter or buffer path below the compiled module} for the model state dynamo
+    passes as graph inputs (`L['self']._modules['inp']._parameters['weight']` -> `inp.weight`)."""
+    names = {}
+    aten_inputs = aten_graph.graph.find_nodes(op="placeholder")
+    for dynamo_input, aten_input in zip(gm.graph.find_nodes(op="placeholder"), aten_inputs):
+        source = getattr(dynamo_input.meta.get("grapharg"), "source", None)
+        where = source.name() if callable(getattr(source, "name", None)) else getattr(source, "name", "")
+        if "._parameters[" in where or "._buffers[" in where:
+            names[aten_input.name] = module_fqn(where)
+    return names
+
+
+class ModulePaths:
+    """Turns the module paths of one compiled graph (below whatever torch.compile got: the model, a wrapper of
+    it, one of its blocks) into the paths of the user's model, which black-module patterns are written against.
+
+    With the model known (`rewrite()`), a parameter the graph reads says where the compiled module sits in it:
+    `mlp.fc.weight` in the graph is `layers.3.mlp.fc.weight` in the model. Without it, a framework wrapper's
+    attribute at the front (DDP's `module.`) is dropped.
+    """
+
+    def __init__(self, model_state=None):
+        self.model_state = model_state  # () -> {id(parameter or buffer): its path in the model}, or None
+
+    def resolver(self, state: dict[str, str], inputs_by_placeholder: dict[str, object]):
+        """A function from a graph path to a model path, for the graph whose state placeholders are `state`."""
+        model_state = self.model_state() if self.model_state is not None else {}
+        for placeholder, relative in state.items():
+            absolute = model_state.get(id(inputs_by_placeholder.get(placeholder)))
+            if absolute is None:
+                continue
+            if _ends_with_path(absolute, relative):
+                prefix = absolute[: len(absolute) - len(relative)]
+                return lambda path: prefix + path if path else prefix.rstrip(".")
+            if _ends_with_path(relative, absolute):
+                wrapper = relative[: len(relative) - len(absolute)]
+                return lambda path: path[len(wrapper):] if path.startswith(wrapper) else ""
+        return _without_wrappers
+
+
+def state_paths(model: torch.nn.Module | None) -> dict[int, str]:
+    """id(parameter or buffer) -> its path in `model`, which a graph's module paths are resolved against."""
+    if model is None:
+        return {}
+    named = itertools.chain(
+        model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)
+    )
+    return {id(tensor): name for name, tensor in named}
+
+
+def _ends_with_path(path: str, tail: str) -> bool:
+    return path == tail or path.endswith("." + tail)
+
+
+def _without_wrappers(path: str) -> str:
+    parts = path.split(".")
+    while parts and parts[0] in _WRAPPER_ATTRIBUTES:
+        parts = parts[1:]
+    return ".".join(parts)
+
+
+def rename_module_paths(aten_graph: GraphModule, to_model_path) -> set[str]:
+    """Write model paths into every node's nn_module_stack (sub-graphs too); returns the graph's own paths."""
+    seen = set()
+    for graph_module in (m for m in aten_graph.modules() if isinstance(m, GraphModule)):
+        for node in graph_module.graph.nodes:
+            stack = node.meta.get("nn_module_stack")
+            if stack:
+                paths = {key: module_fqn(path) for key, (path, _) in stack.items()}
+                node.meta["nn_module_stack"] = {key: (to_model_path(paths[key]), kind) for key, (_, kind) in stack.items()}
+                seen.update(path for path in paths.values() if path)
+    return seen

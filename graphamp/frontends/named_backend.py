@@ -1,0 +1,47 @@
+"""`torch.compile(model, backend="graphamp")`: graphamp's backend by name, for code that never imports graphamp.
+
+torch finds it through the `torch_dynamo_backends` entry point (pyproject.toml), so `model.compile(backend=
+"graphamp")` before HF's Trainer, or Lightning's `trainer.fit(torch.compile(module, backend="graphamp"))`, reach it
+with no graphamp code in the loop. Where the lists come from, first found wins:
+- torch.compile's `options`: the keys `dtype`, `level`, `lists_dir`, `custom_white_list`, `custom_black_list`,
+  `custom_gray_list`, `custom_black_modules` (or `amp_lists`, an AutoMixedPrecisionLists); every other key is
+  inductor's, as with torch's own backend, and `mode=` is inductor's mode;
+- the environment: GRAPHAMP_DTYPE, GRAPHAMP_LEVEL, GRAPHAMP_LISTS_DIR;
+- the shipped lists in bfloat16 (no loss scaling needed: nothing links an optimizer here).
+"""
+
+from __future__ import annotations
+
+import os
+
+from graphamp.frontends.compile_backend import AmpBackend, configure_dynamo
+from graphamp.policy.config import AmpConfig
+from graphamp.policy.lists import AutoMixedPrecisionLists
+
+__all__ = ["graphamp_backend"]
+
+_LIST_OPTIONS = ("custom_white_list", "custom_black_list", "custom_gray_list", "custom_black_modules", "lists_dir")
+GRAPHAMP_OPTIONS = ("amp_lists", "dtype", "level", *_LIST_OPTIONS)
+
+# torch resolves the name when torch.compile() is called, before dynamo traces: RNN modules and late hooks must be
+# configured by then.
+configure_dynamo()
+
+
+def graphamp_backend(gm, example_inputs, mode: str | None = None, options: dict | None = None):
+    """dynamo's compiler_fn: graphamp's lists and passes on `gm`, then inductor with `mode` and the other options."""
+    options = dict(options or {})
+    graphamp_options = {key: options.pop(key) for key in GRAPHAMP_OPTIONS if key in options}
+    return AmpBackend(config_from(graphamp_options))(gm, example_inputs, mode=mode, options=options)
+
+
+def config_from(options: dict) -> AmpConfig:
+    """The AmpConfig that torch.compile's options, else the environment, else the defaults give."""
+    level = options.get("level", os.environ.get("GRAPHAMP_LEVEL", "O1"))
+    lists = options.get("amp_lists")
+    if lists is None:
+        given = {key: options[key] for key in _LIST_OPTIONS if key in options}
+        if "lists_dir" not in given and os.environ.get("GRAPHAMP_LISTS_DIR"):
+            given["lists_dir"] = os.environ["GRAPHAMP_LISTS_DIR"]
+        lists = AutoMixedPrecisionLists(dtype=options.get("dtype", os.environ.get("GRAPHAMP_DTYPE", "bfloat16")), **given)
+    return AmpConfig(lists, level)

@@ -1,0 +1,469 @@
+"""The cast pass: classify each node of a captured graph by the lists and insert the casts that follow.
+
+One walk over `graph.nodes` in order (like torch.ao.quantization's prepare/convert): every ATen op node is
+classified white (runs low), black (runs FP32), gray (follows its inputs: low when all its floating inputs
+are low, else FP32 — Paddle's rule), unlisted (acts gray, reported) or explicit-cast (the model chose the
+dtype itself: left alone). Casts are `aten._to_copy` nodes shared per (value, dtype), inserted before the
+first node that needs them, and folded: a cast of one of our own casts goes back to the original value, and
+a reshape's cast is the reshape of its input's cast.
+`node.meta["val"]` is recomputed on fake tensors for every node whose inputs changed dtype.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import operator
+from contextlib import contextmanager, nullcontext
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.utils._pytree as pytree
+from torch._dispatch.python import enable_python_dispatcher
+from torch._guards import detect_fake_mode
+from torch._ops import HigherOrderOperator, OpOverload
+from torch.fx import GraphModule, Node
+from torch.fx.node import map_arg
+
+from graphamp.errors import RewriteError
+from graphamp.policy.aten_ops import (
+    FP32_ACCUMULATING_OPS, MODEL_CAST_OPS, NORM_OPS, RESHAPE_OPS, TRACE_ASSERTS, VIEW_OPS, argument_value,
+    has_explicit_float_dtype, norm_parameter_inputs, set_argument, written_inputs,
+)
+from graphamp.policy.config import AmpConfig, is_normalization_module
+from graphamp.policy.dtypes import HALF_DTYPES, dtype_name
+from graphamp.policy.kernel_support import runs_low_on
+from graphamp.policy.lists import BLACK, GRAY, WHITE, Decision, op_lookup_keys
+
+__all__ = ["RewriteReport", "insert_casts"]
+
+aten = torch.ops.aten
+# torch.autocast(..., enabled=False) captures as this higher-order op around a sub-graph.
+AUTOCAST_REGION = getattr(torch.ops.higher_order, "wrap_with_autocast", None)
+MODEL_FP32_REGION = "model: autocast(enabled=False)"
+CAST_OP = aten._to_copy.default
+
+
+@dataclass
+class RewriteReport:
+    """What the cast pass decided for one captured graph (sub-graphs of higher-order ops included)."""
+
+    dtype: torch.dtype
+    level: str
+    decisions: Counter = field(default_factory=Counter)
+    unlisted_ops: Counter = field(default_factory=Counter)
+    casts_inserted: int = 0
+
+    def __str__(self) -> str:
+        lines = [
+            f"graphamp rewrite ({dtype_name(self.dtype)}, {self.level}): "
+            f"{self.casts_inserted} casts inserted",
+            "  ops by decision: " + ", ".join(f"{d}={n}" for d, n in sorted(self.decisions.items())),
+        ]
+        if self.unlisted_ops:
+            lines.append(
+                "  unlisted ops (treated as gray; add them to a list to decide): "
+                + ", ".join(f"{op} x{n}" for op, n in self.unlisted_ops.most_common())
+            )
+        return "\n".join(lines)
+
+
+def insert_casts(
+    graph_module: GraphModule, config: AmpConfig, parameters: frozenset[str] = frozenset(), fp32_outputs: bool = True
+) -> RewriteReport:
+    """Rewrite `graph_module` in place for mixed precision and return what was decided.
+
+    Args:
+        graph_module: a pre-autograd ATen graph whose nodes carry `meta["val"]` (and `nn_module_stack`).
+        config: the lists and level.
+        parameters: the names of the placeholders that are the model's parameters; under O2 those a
+            normalization module reads are never cast down.
+        fp32_outputs: cast outputs back to their traced dtype, so the values leave as the FP32 trace made them.
+    """
+    report = RewriteReport(dtype=config.dtype, level=config.level)
+    fp32 = _normalization_parameters(graph_module, parameters) if config.level == "O2" else frozenset()
+    _CastPass(graph_module, config, report, fp32).run(restore_outputs=fp32_outputs)
+    return report
+
+
+def _normalization_parameters(graph_module: GraphModule, parameters: frozenset[str]) -> frozenset[str]:
+    """The O2 rule: the parameters read by a normalization module's ops (its weight and bias) stay FP32."""
+    return frozenset(
+        placeholder.name
+        for placeholder in graph_module.graph.find_nodes(op="placeholder")
+        if placeholder.name in parameters
+        and any(is_normalization_module(_module_kind(reader)) for reader in placeholder.users)
+    )
+
+
+def _module_kind(node: Node):
+    """The class (or its name) of the innermost module the op ran in, None at the top level."""
+    stack = node.meta.get("nn_module_stack")
+    return next(reversed(stack.values()))[1] if stack else None
+
+
+def node_dtype(node) -> torch.dtype | None:
+    value = node.meta.get("val") if isinstance(node, Node) else None
+    return value.dtype if isinstance(value, torch.Tensor) else None
+
+
+def module_path(node: Node) -> str:
+    """The FQN of the innermost module the op ran in ('' at the top level)."""
+    stack = node.meta.get("nn_module_stack")
+    return next(reversed(stack.values()))[0] if stack else ""
+
+
+class _CastPass:
+    """The walk over one graph; higher-order ops' sub-graphs get a walk of their own."""
+
+    def __init__(self, graph_module, config: AmpConfig, report, fp32_placeholders=frozenset(), fp32_region=False):
+        self.graph_module = graph_module
+        self.graph = graph_module.graph
+        for node in self.graph.nodes:
+            # torch.export gives the getitem of a no_grad region's result the very meta dict of the region's last op:
+            # the dtype and decision the pass writes there are that op's, not the value's that leaves the region.
+            node.meta = dict(node.meta)
+        self.config = config
+        self.amp_lists = config.lists
+        self.low = config.dtype
+        self.level = config.level
+        self.report = report
+        # Inside a region the model keeps FP32 (autocast disabled), every op runs as traced, as under autocast.
+        self.fp32_region = fp32_region
+        # The dtype each value had when traced (a tuple of dtypes for multi-output ops).
+        self.traced_dtype = {node: _dtype_signature(node.meta.get("val")) for node in self.graph.nodes}
+        self.never_cast_down = {n for n in self.graph.nodes if n.op == "placeholder" and n.name in fp32_placeholders}
+        self.casts: dict[tuple[Node, torch.dtype], Node] = {}
+        self.cast_source: dict[Node, Node] = {}
+        self.recast_reshapes: list[Node] = []  # reshapes remade on a cast of their input (_reshape_of_cast)
+        self.fake_mode = detect_fake_mode([n.meta.get("val") for n in self.graph.nodes]) or nullcontext()
+
+    def run(self, restore_outputs: bool) -> None:
+        for node in list(self.graph.nodes):
+            if node.op == "output":
+                if restore_outputs:
+                    self._restore_traced_dtypes(node)
+                else:
+                    self._return_values_not_their_traced_aliases(node)
+            elif node.op == "call_function":
+                if node.target in TRACE_ASSERTS:
+                    self.graph.erase_node(node)
+                elif isinstance(node.target, OpOverload):
+                    self._visit_op(node)
+                elif isinstance(node.target, HigherOrderOperator):
+                    self._visit_higher_order(node)
+                elif node.target is operator.getitem:
+                    self._refresh_meta(node)
+        for reshape in self.recast_reshapes:
+            if not reshape.users:  # every user took the reshape of the cast instead
+                self.graph.erase_node(reshape)
+        self.graph.lint()
+        self.graph_module.recompile()
+
+    # -- deciding ------------------------------------------------------------------------------------------
+    def _decide(self, node: Node) -> tuple[str, str]:
+        """(decision, source) for an op node."""
+        op = node.target
+        if op in MODEL_CAST_OPS or has_explicit_float_dtype(node):
+            return Decision.EXPLICIT_CAST, "model"
+        if self.fp32_region:
+            return Decision.EXPLICIT_CAST, MODEL_FP32_REGION
+        pattern = self.amp_lists.black_module_for(module_path(node))
+        if pattern is not None:
+            return BLACK, pattern.source
+        entry = self.amp_lists.classify(op)
+        if entry is None:
+            self.report.unlisted_ops[op_lookup_keys(op)[1]] += 1
+            return Decision.UNLISTED, ""
+        return entry.color, entry.source
+
+    def _target_dtype(self, decision: str, floats: list[Node]) -> torch.dtype | None:
+        """The dtype the op's floating inputs are cast to, or None when they are left as they are."""
+        if decision == WHITE or (self.level == "O2" and decision in (GRAY, Decision.UNLISTED)):
+            return self.low
+        if decision == BLACK:
+            return torch.float32
+        if decision in (GRAY, Decision.UNLISTED) and floats:
+            # 0-dim tensors do not decide, as in torch's type promotion (x * scale stays low).
+            deciding = [n for n in floats if n.meta["val"].dim() > 0] or floats
+            return self.low if all(node_dtype(n) == self.low for n in deciding) else torch.float32
+        return None
+
+    # -- visiting ------------------------------------------------------------------------------------------
+    def _visit_op(self, node: Node) -> None:
+        decision, source = self._decide(node)
+        self.report.decisions[decision] += 1
+        node.meta["graphamp"] = {"decision": decision, "source": source, "module": module_path(node)}
+        mutated = written_inputs(node)
+        left_alone = mutated | norm_parameter_inputs(node)
+        floats = [n for n in node.all_input_nodes if _is_castable(n) and n not in left_alone]
+        target = None if decision == Decision.EXPLICIT_CAST else self._target_dtype(decision, floats)
+        promotes = isinstance(node.target, OpOverload) and self.amp_lists.promotes(node.target)
+        follows_inputs = decision in (GRAY, Decision.UNLISTED)
+        if target == torch.float32 and follows_inputs and not promotes and self._promotes_to_fp32(node):
+            target = None  # add(bf16, fp32) already computes in FP32 inside the kernel: a cast would only cost
+        if target == self.low and not self._kernel_takes(node, floats):
+            target = torch.float32  # this device's norm kernel wants X in its parameters' dtype
+        if target == torch.float32 and decision == BLACK and self._fp32_inside_the_kernel(node, floats):
+            target = None
+        if target is not None:
+            replace = {n: self._cast(n, target, node) for n in floats if self._needs_cast(n, target)}
+            if replace:
+                node.args, node.kwargs = map_arg((node.args, node.kwargs), lambda n: replace.get(n, n))
+        for value in mutated:  # an in-place op makes earlier casts of its target stale
+            self._forget_casts_of(value)
+        self._refresh_meta(node)
+        if node_dtype(node) in HALF_DTYPES and node_dtype(node) != self.traced_dtype.get(node):
+            _clamp_scalars_to_range(node, node_dtype(node))
+
+    def _fp32_inside_the_kernel(self, node: Node, floats: list[Node]) -> bool:
+        """Whether a black op reads its low inputs as they are and computes in FP32 inside, with no cast kernel:
+        - a normalization (kept black by the user) or a softmax, sum or mean whose output feeds only white ops
+          (GEMMs): the kernel accumulates in FP32 and its low output is what the next GEMM would read after a
+          cast of the FP32 result (autocast casts X up and the result back down);
+        - an op with a `dtype` argument (sum, mean, softmax, cumsum): it is set to float32, which casts inside.
+        """
+        low = [n for n in floats if node_dtype(n) in HALF_DTYPES]
+        if not low:
+            return False
+        name = op_lookup_keys(node.target)[1]
+        if name in NORM_OPS or name in FP32_ACCUMULATING_OPS:
+            if len(low) == len(floats) and self._kernel_takes(node, floats) and self._feeds_only_white(node):
+                return True
+            if name in NORM_OPS:
+                return False
+        dtype_argument = next((a for a in node.target._schema.arguments if a.name == "dtype"), None)
+        if dtype_argument is None or argument_value(node, dtype_argument) is not None:
+            return False
+        set_argument(node, dtype_argument, torch.float32)
+        node.meta["val"] = self._run_on_fake_values(node)  # float32 now, also where no input changed its dtype
+        return True
+
+    def _kernel_takes(self, node: Node, floats: list[Node]) -> bool:
+        """False where this device's kernel cannot run the op low as the gray rule wants (kernel_support.py): a
+        normalization that cannot read a low X with FP32 parameters, an interpolation whose backward
+        accumulates in the low dtype."""
+        name = op_lookup_keys(node.target)[1]
+        if name in NORM_OPS and not norm_parameter_inputs(node):
+            return True  # no FP32 parameters: nothing mixed
+        data = floats[0].meta["val"] if floats else None
+        return data is None or runs_low_on(name, data.device, self.low)
+
+    def _feeds_only_white(self, node: Node) -> bool:
+        """Whether every op reading `node`'s (first) output is white, looking through getitems, reshapes and
+        gray ops of that one value (dropout, a scalar multiply): those would run low on a low input anyway."""
+        readers = list(node.users)
+        if not readers:
+            return False
+        while readers:
+            reader = readers.pop()
+            if reader.op != "call_function":
+                return False
+            if reader.target is operator.getitem:
+                if reader.args[1] == 0:
+                    readers.extend(reader.users)
+            elif reader.target in RESHAPE_OPS or reader.target in VIEW_OPS:
+                readers.extend(reader.users)
+            elif not isinstance(reader.target, OpOverload) or self.amp_lists.black_module_for(module_path(reader)):
+                return False
+            else:
+                entry = self.amp_lists.classify(reader.target)
+                if entry is not None and entry.color == GRAY and _reads_one_floating_value(reader):
+                    readers.extend(reader.users)
+                elif entry is None or entry.color != WHITE:
+                    return False
+        return True
+
+    def _visit_higher_order(self, node: Node) -> None:
+        """torch.cond, no_grad regions and the like: operands cross in their traced dtype, bodies are rewritten
+        (left as traced inside an autocast-disabled region)."""
+        self.report.decisions[Decision.HIGHER_ORDER] += 1
+        fp32_region = _autocast_enabled(node) is False or (self.fp32_region and _autocast_enabled(node) is None)
+        source = MODEL_FP32_REGION if fp32_region else ""
+        node.meta["graphamp"] = {"decision": Decision.HIGHER_ORDER, "source": source, "module": module_path(node)}
+        replace = {}
+        for value in node.all_input_nodes:
+            if value.op == "get_attr":
+                body = getattr(self.graph_module, value.target)
+                if isinstance(body, GraphModule):
+                    _CastPass(body, self.config, self.report, fp32_region=fp32_region).run(restore_outputs=True)
+            elif _is_castable(value) and node_dtype(value) != self.traced_dtype.get(value):
+                replace[value] = self._cast(value, self.traced_dtype[value], node)
+        if replace:
+            node.args, node.kwargs = map_arg((node.args, node.kwargs), lambda n: replace.get(n, n))
+
+    def _return_values_not_their_traced_aliases(self, output: Node) -> None:
+        """An output that is a `.to(dtype)` which changed nothing in the FP32 trace was the value itself there
+        (`x.float() is x`): without fp32_outputs, return the value in its own dtype, as autocast does (HF's loss
+        reads `logits.float()` and the model returns `logits`)."""
+
+        def value_of(node):
+            while (
+                isinstance(node, Node) and node.target is torch.ops.aten.to.dtype and len(node.args) == 2
+                and not node.kwargs and isinstance(node.args[0], Node)
+                and self.traced_dtype.get(node) == self.traced_dtype.get(node.args[0])
+            ):
+                node = node.args[0]
+            return node
+
+        output.args = map_arg(output.args, value_of)
+
+    def _restore_traced_dtypes(self, output: Node) -> None:
+        replace = {
+            n: self._cast(n, self.traced_dtype[n], output)
+            for n in output.all_input_nodes
+            if _is_castable(n) and self.traced_dtype.get(n) is not None and node_dtype(n) != self.traced_dtype[n]
+        }
+        if replace:
+            output.args = map_arg(output.args, lambda n: replace.get(n, n))
+
+    # -- casting -------------------------------------------------------------------------------------------
+    def _needs_cast(self, value: Node, target: torch.dtype) -> bool:
+        dtype = node_dtype(value)
+        if dtype == target or dtype == torch.float64:
+            return False  # float64 is the model's explicit choice, as autocast leaves it
+        if target == torch.float32:
+            return dtype in HALF_DTYPES
+        return value not in self.never_cast_down
+
+    def _cast(self, value: Node, dtype: torch.dtype, before: Node) -> Node:
+        """`value` in `dtype`, sharing one cast per (value, dtype) and folding casts of our casts."""
+        root = self.cast_source.get(value, value)
+        if node_dtype(root) == dtype:
+            return root
+        cast = self.casts.get((root, dtype))
+        if cast is None and root.op == "call_function" and root.target in RESHAPE_OPS and _is_castable(root.args[0]):
+            cast = self._reshape_of_cast(root, dtype, before)
+        elif cast is None:
+            with self.graph.inserting_before(before):
+                cast = self.graph.call_function(CAST_OP, (root,), {"dtype": dtype})
+            with self.fake_mode:
+                cast.meta["val"] = root.meta["val"].to(dtype)
+            cast.meta["nn_module_stack"] = before.meta.get("nn_module_stack", {})
+            cast.meta["graphamp"] = {
+                "decision": Decision.INSERTED_CAST,
+                "source": f"{dtype_name(dtype)} for {before.name}",
+                "module": module_path(before),
+            }
+            self.casts[(root, dtype)] = cast
+            self.cast_source[cast] = root
+            self.report.casts_inserted += 1
+        return cast
+
+    def _reshape_of_cast(self, reshape: Node, dtype: torch.dtype, before: Node) -> Node:
+        """`reshape` in `dtype`, made as the same reshape of its input's (shared) cast."""
+        source = self._cast(reshape.args[0], dtype, before)
+        with self.graph.inserting_before(before):
+            reshaped = self.graph.call_function(reshape.target, (source, *reshape.args[1:]), dict(reshape.kwargs))
+        reshaped.meta["val"] = self._run_on_fake_values(reshaped)
+        reshaped.meta["nn_module_stack"] = reshape.meta.get("nn_module_stack", {})
+        decision, origin = self._decide(reshaped)
+        reshaped.meta["graphamp"] = {"decision": decision, "source": origin, "module": module_path(reshape)}
+        self.report.decisions[decision] += 1
+        self.casts[(reshape, dtype)] = reshaped
+        self.cast_source[reshaped] = reshape
+        self.recast_reshapes.append(reshape)
+        return reshaped
+
+    def _forget_casts_of(self, value: Node) -> None:
+        root = self.cast_source.get(value, value)
+        for key in [k for k in self.casts if k[0] is root]:
+            del self.casts[key]
+
+    def _promotes_to_fp32(self, node: Node) -> bool:
+        """Whether torch's type promotion runs this op in FP32 on its mixed inputs as they are."""
+        try:
+            with _fake_tensor_errors_unlogged():
+                result = self._run_on_fake_values(node)
+        except Exception:  # the op wants matching dtypes: cast explicitly
+            return False
+        floats = [t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        return bool(floats) and all(t.dtype == torch.float32 for t in floats)
+
+    def _refresh_meta(self, node: Node) -> None:
+        """Recompute node.meta['val'] on fake tensors when an input's dtype changed, so it stays true."""
+        if all(_dtype_signature(n.meta.get("val")) == self.traced_dtype.get(n) for n in node.all_input_nodes):
+            return
+        try:
+            node.meta["val"] = self._run_on_fake_values(node)
+        except Exception as error:  # the op has no kernel for these dtypes: say which op, and the fix
+            raise RewriteError(cannot_run_message(node, error)) from error
+
+    def _run_on_fake_values(self, node: Node):
+        """What `node` returns on its inputs' meta values: shapes and dtypes, no data."""
+        args, kwargs = map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+        # The Python dispatcher runs composite ops' decompositions (linear, lstm) on symbolic sizes, as make_fx does.
+        with self.fake_mode, enable_python_dispatcher():
+            return node.target(*args, **kwargs)
+
+
+@contextmanager
+def _fake_tensor_errors_unlogged():
+    """FakeTensorMode logs an ERROR traceback when an op refuses mixed dtypes (aten.dot, spectral_norm's
+    vdot) before raising; the probe expects that refusal, so the log would only alarm the user."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    disabled = logger.disabled
+    logger.disabled = True
+    try:
+        yield
+    finally:
+        logger.disabled = disabled
+
+
+def cannot_run_message(node: Node, error: Exception) -> str:
+    """Which op failed on which dtypes, where, what decided them, and the fix (for the rewrite and the doctor)."""
+    mark = node.meta.get("graphamp", {})
+    dtypes = ", ".join(sorted({dtype_name(node_dtype(n)) for n in node.all_input_nodes if _is_castable(n)}))
+    entry = op_lookup_keys(node.target)[1] if isinstance(node.target, OpOverload) else str(node.target)
+    decided = f" ({mark['decision']}, {mark['source']})" if mark.get("source") else ""
+    first_line = (str(error).strip().splitlines() or [""])[0]
+    return (
+        f"{node.name} = {node.target} in {mark.get('module') or '(top level)'}{decided} cannot run on {dtypes} "
+        f"inputs: {first_line}. Fix: keep it FP32 with custom_black_list=['{entry}'] (or take it off white.txt)."
+    )
+
+
+def _clamp_scalars_to_range(node: Node, dtype: torch.dtype) -> None:
+    """An op the pass made run low keeps the meaning of its number arguments beyond that dtype's range.
+
+    HF writes "minus infinity" as `torch.finfo(float32).min` (`masked_fill(scores, mask, -3.4e38)`), which
+    bfloat16 and float16 kernels refuse; the low dtype's own finite min/max means the same there."""
+    limit = torch.finfo(dtype).max
+    for argument in node.target._schema.arguments:
+        if not isinstance(argument.type, torch.NumberType):
+            continue
+        value = argument_value(node, argument, None)
+        if isinstance(value, float) and math.isfinite(value) and abs(value) > limit:
+            set_argument(node, argument, math.copysign(limit, value))
+
+
+def _autocast_enabled(node: Node) -> bool | None:
+    """For a `torch.autocast(...)` region: whether it enables autocast (any device type); None for other ops.
+
+    A region disabled for CUDA is kept FP32 on every device: the graph does not know where it will run, and the
+    model said that code needs FP32."""
+    if AUTOCAST_REGION is None or node.target is not AUTOCAST_REGION:
+        return None
+    return bool(node.args[2])
+
+
+def _dtype_signature(value):
+    """The dtype of a tensor value, or of each tensor of a multi-output op's tuple."""
+    if isinstance(value, torch.Tensor):
+        return value.dtype
+    if isinstance(value, (tuple, list)):
+        return tuple(_dtype_signature(v) for v in value)
+    return None
+
+
+def _reads_one_floating_value(node: Node) -> bool:
+    """One floating input besides a norm's FP32 parameters (which never decide its dtype)."""
+    parameters = norm_parameter_inputs(node)
+    return len([n for n in node.all_input_nodes if _is_castable(n) and n not in parameters]) == 1
+
+
+def _is_castable(node: Node) -> bool:
+    """Floating tensors are cast; integer and bool tensors and non-tensors never are."""
+    dtype = node_dtype(node)
+    return dtype is not None and dtype.is_floating_point

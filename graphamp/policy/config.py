@@ -1,0 +1,117 @@
+"""The policy a front end applies, defined once: the lists, the level, what counts as a normalization, and the
+checks every entry point makes before any work starts.
+
+`AmpConfig` is the frozen value the passes and both front ends read (torch.ao's QConfigMapping is the model):
+`rewrite()`/`graphamp.backend()` for training under torch.compile, `export_program()` for the static program,
+and the doctor's probe all build one and never change it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from graphamp.errors import ArgumentError
+from graphamp.policy.dtypes import HALF_DTYPES, check_dtype_runs_on, dtype_name
+from graphamp.policy.lists import AutoMixedPrecisionLists
+
+__all__ = [
+    "LEVELS", "AmpConfig", "check_entry_arguments", "check_level", "check_master_weights", "device_of",
+    "is_normalization_module",
+]
+
+# O1: the lists decide each op. O2: every op but the black ones runs low, normalization parameters stay FP32.
+LEVELS = ("O1", "O2")
+_NORM_MODULE_TYPES = (
+    nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
+)
+
+
+@dataclass(frozen=True)
+class AmpConfig:
+    """What decides each op's dtype: the lists (with their dtype) and the level."""
+
+    lists: AutoMixedPrecisionLists
+    level: str = "O1"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lists, AutoMixedPrecisionLists):
+            raise _not_lists(self.lists, "amp_lists")
+        check_level(self.level)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lists.dtype
+
+
+def _not_lists(amp_lists, argument: str) -> ArgumentError:
+    """amp_lists given as something else (a dtype or its name, most often): the error that says what to pass."""
+    dtype = f"dtype={amp_lists!r}" if isinstance(amp_lists, (str, torch.dtype)) else "..."
+    return ArgumentError(
+        f"{argument} got a {type(amp_lists).__name__}; pass graphamp.AutoMixedPrecisionLists({dtype})."
+    )
+
+
+def check_level(level: str) -> None:
+    if level not in LEVELS:
+        raise ArgumentError(f"level={level!r}: use 'O1' (lists decide) or 'O2' (all but black ops run low).")
+
+
+def is_normalization_module(kind) -> bool:
+    """BatchNorm, LayerNorm, GroupNorm, RMSNorm, or a class named *Norm (LlamaRMSNorm, T5LayerNorm): under O2 the
+    parameters its ops read stay FP32. `kind` is the class, or its name as a serialized graph keeps it."""
+    if isinstance(kind, type):
+        return issubclass(kind, _NORM_MODULE_TYPES) or "Norm" in kind.__name__
+    return isinstance(kind, str) and "Norm" in kind.rpartition(".")[2]
+
+
+def check_entry_arguments(
+    entry_point: str, model, example_args, example_kwargs, amp_lists, level: str, compile: bool = False
+) -> tuple[tuple, dict, AmpConfig]:
+    """What every entry point (rewrite, export_program, doctor, auto_mixed_precision, the CLI) checks first.
+
+    Returns the example call as (args tuple, kwargs dict) and the config (the shipped lists when None).
+    """
+    if not isinstance(model, nn.Module):
+        raise ArgumentError(f"{entry_point}() takes an nn.Module, got {type(model).__name__}.")
+    if getattr(model, "_graphamp", None) is not None and entry_point == "rewrite":
+        raise ArgumentError(
+            f"this {type(model).__name__} was already rewritten by graphamp.rewrite(): it runs mixed precision as it "
+            f"is; rewrite a fresh FP32 model to change its lists."
+        )
+    if isinstance(example_args, list):
+        raise ArgumentError(
+            f"{entry_point}() got example_args as a list; the positional arguments are a tuple: (x,) or (x, y). "
+            f"For a model whose one argument is a list, pass ([x, y],)."
+        )
+    if example_kwargs is not None and not isinstance(example_kwargs, dict):
+        raise ArgumentError(
+            f"{entry_point}() got example_kwargs as a {type(example_kwargs).__name__}; pass a dict of keyword "
+            f"arguments, e.g. {{'attention_mask': mask}}."
+        )
+    if amp_lists is not None and not isinstance(amp_lists, AutoMixedPrecisionLists):
+        raise _not_lists(amp_lists, f"{entry_point}(amp_lists=...)")
+    config = AmpConfig(amp_lists if amp_lists is not None else AutoMixedPrecisionLists(), level)
+    check_master_weights(model)
+    check_dtype_runs_on(device_of(model), config.dtype, compile)
+    config.lists.warn_unmatched_black_modules(model)
+    if not isinstance(example_args, tuple):
+        example_args = (example_args,)
+    return example_args, dict(example_kwargs or {}), config
+
+
+def check_master_weights(model: nn.Module) -> None:
+    """FP32 parameters are the master weights: a model already cast to half precision has none."""
+    for name, parameter in model.named_parameters():
+        if parameter.dtype in HALF_DTYPES:
+            raise ArgumentError(
+                f"parameter '{name}' is {dtype_name(parameter.dtype)}: graphamp keeps FP32 master weights and casts "
+                f"inside the graph. Keep the model in float32 (drop .half()/.to(dtype)) and rewrite it."
+            )
+
+
+def device_of(model: nn.Module) -> torch.device | None:
+    parameter = next(model.parameters(), None)
+    return parameter.device if parameter is not None else None

@@ -1,0 +1,105 @@
+"""Which gray kernels can run in low precision on a given device without losing what FP32 would give.
+
+Two families of gray ops run low only where the device's kernel supports it, forward and backward:
+- normalizations read a float16/bfloat16 X with FP32 weight, bias and statistics and accumulate in FP32 inside
+  (CPU's layer_norm and group_norm take that mix; not every CUDA build does);
+- interpolations scatter-add many output gradients into each input gradient in backward: CPU's kernels
+  accumulate in FP32, CUDA's atomicAdd accumulates in the low dtype (why CUDA autocast runs them FP32).
+Where the kernel cannot, the cast pass casts X up and the op runs FP32. This differs between devices and torch
+versions, so it is asked of the kernel itself, once per (family, device type, dtype), on a few elements.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import _disable_current_modes
+
+__all__ = ["KERNEL_FAMILIES", "rounded_once", "runs_low_on"]
+
+_NORMS = {
+    "layer_norm": "layer_norm", "native_layer_norm": "layer_norm",
+    "group_norm": "group_norm", "native_group_norm": "group_norm",
+    "batch_norm": "batch_norm", "native_batch_norm": "batch_norm", "_native_batch_norm_legit": "batch_norm",
+    "_native_batch_norm_legit_functional": "batch_norm", "_native_batch_norm_legit_no_training": "batch_norm",
+    "instance_norm": "batch_norm",
+}
+# interpolate's mode and the number of spatial dims of each upsample op.
+_INTERPOLATIONS = {
+    "upsample_nearest1d": ("nearest", 1), "upsample_nearest2d": ("nearest", 2), "upsample_nearest3d": ("nearest", 3),
+    "_upsample_nearest_exact1d": ("nearest-exact", 1), "_upsample_nearest_exact2d": ("nearest-exact", 2),
+    "_upsample_nearest_exact3d": ("nearest-exact", 3), "upsample_linear1d": ("linear", 1),
+    "upsample_bilinear2d": ("bilinear", 2), "_upsample_bilinear2d_aa": ("bilinear-aa", 2),
+    "upsample_trilinear3d": ("trilinear", 3), "upsample_bicubic2d": ("bicubic", 2),
+    "_upsample_bicubic2d_aa": ("bicubic-aa", 2),
+}
+# ATen op name (overload packet) -> the kernel family probed for it.
+KERNEL_FAMILIES = {**_NORMS, **{name: f"interpolate:{mode}:{dims}" for name, (mode, dims) in _INTERPOLATIONS.items()}}
+
+
+def runs_low_on(op_name: str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `op_name` (an ATen overload packet name) may run in `dtype` on `device` as the gray rule wants:
+    True for ops of no probed family."""
+    family = KERNEL_FAMILIES.get(op_name)
+    if family is None:
+        return True
+    if device.type == "meta":
+        return False
+    return _probe(family, device.type, dtype)
+
+
+@lru_cache(maxsize=None)
+def _probe(family: str, device_type: str, dtype: torch.dtype) -> bool:
+    # The first capture may happen inside the caller's no_grad, inference_mode or dispatch mode (a recorder):
+    # the probe runs outside all of them, draws no random numbers, and nothing of it is recorded.
+    with _disable_current_modes(), torch._C.DisableTorchFunction(), torch.inference_mode(False), torch.enable_grad():
+        device = torch.device(device_type)
+        try:
+            if family.startswith("interpolate:"):
+                _, mode, dims = family.split(":")
+                return _accumulates_in_fp32(mode, int(dims), device, dtype)
+            return _takes_fp32_parameters(family, device, dtype)
+        except (RuntimeError, NotImplementedError):  # "expected scalar type ... but found Float", no kernel
+            return False
+
+
+def _takes_fp32_parameters(family: str, device: torch.device, dtype: torch.dtype) -> bool:
+    x = torch.linspace(-1, 1, 16, device=device).reshape(2, 4, 2).to(dtype).requires_grad_()
+    weight = torch.ones(4, device=device, requires_grad=True)
+    bias = torch.zeros(4, device=device, requires_grad=True)
+    if family == "layer_norm":
+        y = F.layer_norm(x, (2,), weight[:2], bias[:2])
+    elif family == "group_norm":
+        y = F.group_norm(x, 2, weight, bias)
+    else:
+        y = F.batch_norm(x, torch.zeros(4, device=device), torch.ones(4, device=device), weight, bias, training=True)
+    y.float().sum().backward()
+    return y.dtype == dtype and x.grad is not None and x.grad.dtype == dtype
+
+
+def _accumulates_in_fp32(mode: str, dims: int, device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the low-dtype backward equals the FP32 backward rounded once (an FP32 accumulator inside)."""
+    size = {1: (1, 1, 8), 2: (1, 1, 8, 8), 3: (1, 1, 4, 4, 4)}[dims]
+    scale = {1: 64, 2: 8, 3: 4}[dims]  # each input element collects scale**dims gradients
+    interpolate_mode = mode.removesuffix("-aa")
+    kwargs = {"antialias": True} if mode.endswith("-aa") else {}
+    if interpolate_mode in ("linear", "bilinear", "bicubic", "trilinear"):
+        kwargs["align_corners"] = False
+    out_size = tuple(s * scale for s in size[2:])
+    grad = torch.sin(torch.arange(int(torch.Size(size[:2] + out_size).numel()), device=device, dtype=torch.float32))
+    grad = grad.reshape(size[:2] + out_size).to(dtype).float()  # exactly representable in `dtype`
+    grads = {}
+    for run_dtype in (torch.float32, dtype):
+        x = torch.zeros(size, device=device, dtype=run_dtype, requires_grad=True)
+        F.interpolate(x, size=out_size, mode=interpolate_mode, **kwargs).backward(grad.to(run_dtype))
+        grads[run_dtype] = x.grad.float()
+    return rounded_once(grads[dtype], grads[torch.float32], dtype)
+
+
+def rounded_once(result: torch.Tensor, exact: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a low-precision `result` is within the error of rounding the FP32 `exact` to `dtype` once: an
+    FP32 accumulator inside; one that accumulates in `dtype` rounds at every addition and lands far off."""
+    rounding = (exact.to(dtype).float() - exact).norm()
+    return bool((result.float() - exact).norm() <= 1.5 * rounding + 1e-6 * exact.norm())

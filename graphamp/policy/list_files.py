@@ -1,0 +1,114 @@
+"""The list files on disk: their names, where the shipped ones live, and how one file is read.
+
+A list file holds one op (or, in black_modules.txt, one module pattern) a line, `#` comments, and optional
+`[all]`/`[float16]`/`[bfloat16]` sections; lists/README.md is the format's manual.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+
+import torch
+
+from graphamp.errors import ListFileError
+
+__all__ = [
+    "BLACK_MODULES_FILE", "LIST_FILES", "OP_LIST_FILES", "PROMOTE_FILE", "SECTIONS", "check_lists_folder",
+    "check_visible", "default_lists_dir", "read_list_entries", "read_list_file",
+]
+
+OP_LIST_FILES = {"white": "white.txt", "black": "black.txt", "gray": "gray.txt"}  # by color
+BLACK_MODULES_FILE = "black_modules.txt"
+PROMOTE_FILE = "promote.txt"  # ops whose mixed floating inputs are cast to the widest (autocast's promote)
+LIST_FILES = (*OP_LIST_FILES.values(), BLACK_MODULES_FILE, PROMOTE_FILE)
+SECTIONS = {"all": None, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def default_lists_dir() -> Path:
+    """The shipped lists: graphamp/default_lists in an installed wheel, the top-level lists/ in a checkout."""
+    package_dir = Path(__file__).resolve().parent.parent
+    installed = package_dir / "default_lists"
+    return installed if installed.is_dir() else package_dir.parent / "lists"
+
+
+def check_lists_folder(folder: Path) -> None:
+    """Raise ListFileError for a folder that would silently load as empty or partial lists.
+
+    A misnamed list file (`White.txt`, `whitelist.txt`) would be ignored: it is named, with the file it was
+    probably meant to be. A folder holding none of the list files would leave every op unlisted.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ListFileError(f"{folder}: lists_dir is not a folder; pass a folder holding {', '.join(LIST_FILES)}.")
+    present = sorted(p.name for p in folder.glob("*.txt"))
+    for name in present:
+        if name not in LIST_FILES:
+            close = difflib.get_close_matches(name.lower(), LIST_FILES, n=1, cutoff=0.6)
+            if close:
+                raise ListFileError(f"{folder / name}: graphamp does not read this file; did you mean {close[0]}?")
+    if not set(present) & set(LIST_FILES):
+        raise ListFileError(
+            f"{folder}: holds none of {', '.join(LIST_FILES)}; a lists folder replaces the shipped lists, "
+            f"so it would leave every op unlisted. Copy graphamp's lists/ folder and edit it."
+        )
+
+
+def check_visible(text: str, where: str) -> None:
+    """Raise ListFileError for an invisible or control character (zero-width space, ...), shown escaped.
+
+    Such a character makes 'mm' a different, unknown name while the message would print them alike.
+    """
+    for character in text:
+        if not character.isprintable() and character not in " \t":
+            escaped = character.encode("unicode_escape").decode("ascii")
+            raise ListFileError(
+                f"{where}: {text.strip()!r} holds the invisible character '{escaped}'; delete it "
+                f"(retype the line)."
+            )
+
+
+def read_list_entries(path: Path, display: str | None = None) -> list[tuple[str, str, torch.dtype | None]]:
+    """(entry, 'file:line', section dtype) triples of one list file, every section, in file order.
+
+    The section dtype is None under [all] (and at the top of a file). A byte order mark is skipped.
+    Raises ListFileError for an unreadable file, an unknown section, an invisible character or a line holding
+    more than one name.
+    """
+    display = display or str(path)
+    try:
+        text = path.read_text(encoding="utf-8-sig")  # -sig: editors on Windows start files with a BOM
+    except (OSError, UnicodeDecodeError) as error:
+        raise ListFileError(f"{display}: cannot read list file ({error}).") from error
+    section_dtype = None
+    entries = []
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        where = f"{display}:{number}"
+        if not line:
+            continue
+        check_visible(line, where)
+        if line.startswith("["):
+            name = line.strip("[]").strip()
+            if not line.endswith("]") or name not in SECTIONS:
+                raise ListFileError(
+                    f"{where}: unknown section {line!r}; use [all], [float16] or [bfloat16] on a line of its own."
+                )
+            section_dtype = SECTIONS[name]
+            continue
+        if len(line.split()) != 1:
+            raise ListFileError(f"{where}: {line!r} holds more than one name; write one op a line.")
+        entries.append((line, where, section_dtype))
+    return entries
+
+
+def read_list_file(path: Path, dtype: torch.dtype, display: str | None = None) -> list[tuple[str, str]]:
+    """(entry, 'file:line') pairs of one list file that apply to `dtype`, in file order.
+
+    Raises ListFileError as read_list_entries does.
+    """
+    return [
+        (entry, where)
+        for entry, where, section_dtype in read_list_entries(path, display)
+        if section_dtype is None or section_dtype == dtype
+    ]

@@ -1,0 +1,1 @@
+"""Training: Paddle-style dynamic loss scaling (LossScaler) and decorate(), the optimizer wrapper."""

@@ -1,0 +1,468 @@
+"""decorate(): wrap a torch optimizer so that it trains with loss scaling, Paddle's way or GradScaler's way."""
+
+from __future__ import annotations
+
+import copy
+import enum
+import inspect
+from typing import Any, Callable, Sequence
+
+import torch
+
+from graphamp.errors import LossScalingError
+from graphamp.frontends.rewrite import AmpState, rewritten_models
+from graphamp.policy.dtypes import HALF_DTYPES, dtype_name, resolve_dtype
+from graphamp.training.in_graph_scaling import run_scaled
+from graphamp.training.loss_scaler import LossScaler
+
+__all__ = ["OptimizerWithMixedPrecision", "decorate"]
+
+
+def decorate(
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer], amp_lists: Any = None,
+    init_loss_scaling: float = 2.0**16, incr_every_n_steps: int = 2000, decr_every_n_nan_or_inf: int = 1,
+    incr_ratio: float = 2.0, decr_ratio: float = 0.5, use_dynamic_loss_scaling: bool | None = None,
+    max_loss_scaling: float | None = None, process_group: torch.distributed.ProcessGroup | None = None,
+    model: torch.nn.Module | None = None,
+) -> OptimizerWithMixedPrecision | list[OptimizerWithMixedPrecision]:
+    """Wrap ``optimizer`` in an :class:`OptimizerWithMixedPrecision` that scales the loss (defaults: paddle.amp's).
+
+    ``use_dynamic_loss_scaling=None`` means on for float16 and off for bfloat16, as ``amp_lists.dtype`` says (float16
+    when no lists are given); off by that default means no scaling at all (a scale of 1.0), since bfloat16 has
+    float32's range. ``use_dynamic_loss_scaling=False`` keeps the scale fixed at ``init_loss_scaling``. Either
+    way inf/NaN steps are still skipped.
+    ``max_loss_scaling`` caps the growth of the scale (insightface's MaxClipGradScaler).
+
+    Distributed: every rank must skip or step together and hold the same scale. ``found_inf`` is all-reduced (MAX)
+    over ``process_group`` at each ``unscale_()``/``step()``, one 4-byte collective per wrapper per iteration on the
+    gradients' device; None means the default group once torch.distributed is initialised with more than one rank.
+    So every rank must step each decorated optimizer equally often, as DDP already asks of ``backward()``.
+
+    Sharing: pass a list of optimizers to get a list of wrappers that share one :class:`LossScaler`. Each wrapper
+    unscales, checks and steps (or skips) its own parameters; the scale is updated once per iteration, by the step()
+    of the last wrapper to step, from the inf/NaN found by any of them (GradScaler's ``update()`` after all
+    ``step()`` calls). So every wrapper of the list steps once per iteration; one ``backward`` may feed them all.
+
+    Any loop: the wrappers are linked to the models ``graphamp.rewrite()`` converted that hold their parameters
+    (or to ``model``, a rewritten model or a module holding one), which then scale the gradients inside their
+    graphs; a plain ``loss.backward()`` leaves true gradients in ``.grad`` and ``step()`` skips on inf/NaN. See
+    docs/training_loops.md. Rewrite the model before decorating its optimizer.
+    """
+    optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    if not optimizers:
+        raise LossScalingError("decorate() got an empty list: pass a torch optimizer or a list of them.")
+    for opt in optimizers:
+        if isinstance(opt, OptimizerWithMixedPrecision):
+            raise LossScalingError("this optimizer is already decorated: pass the torch optimizer it wraps instead.")
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise LossScalingError(f"decorate() takes torch.optim.Optimizer objects, got {type(opt).__name__}.")
+    if len({id(opt) for opt in optimizers}) != len(optimizers):
+        raise LossScalingError("decorate() got the same optimizer twice: pass each optimizer once.")
+
+    if amp_lists is not None and not hasattr(amp_lists, "dtype"):
+        dtype = f"dtype={amp_lists!r}" if isinstance(amp_lists, (str, torch.dtype)) else "..."
+        raise LossScalingError(
+            f"decorate(amp_lists=...) got a {type(amp_lists).__name__}; pass the "
+            f"graphamp.AutoMixedPrecisionLists({dtype}) the model was rewritten with."
+        )
+    try:
+        dtype = torch.float16 if amp_lists is None else resolve_dtype(amp_lists.dtype)
+    except ValueError as error:
+        raise LossScalingError(
+            f"amp_lists.dtype is {amp_lists.dtype}: loss scaling is for torch.float16 or torch.bfloat16."
+        ) from error
+    if use_dynamic_loss_scaling is None:
+        use_dynamic_loss_scaling = dtype == torch.float16
+        init_loss_scaling = init_loss_scaling if use_dynamic_loss_scaling else 1.0
+    loss_scaler = LossScaler(
+        init_loss_scaling, incr_every_n_steps, decr_every_n_nan_or_inf, incr_ratio, decr_ratio,
+        use_dynamic_loss_scaling, max_loss_scaling, process_group,
+    )
+    wrappers = [OptimizerWithMixedPrecision(opt, loss_scaler) for opt in optimizers]
+    iteration = wrappers[0]._iteration
+    for wrapper in wrappers[1:]:
+        wrapper._iteration = iteration
+        iteration.members.append(wrapper)
+    _link(wrappers, model)
+    return wrappers if isinstance(optimizer, (list, tuple)) else wrappers[0]
+
+
+def _link(optimizers: list[OptimizerWithMixedPrecision], model: torch.nn.Module | None) -> None:
+    """Link decorated optimizers (sharing one loss scaler) to the rewritten models that feed their parameters:
+    those found through the parameters, or those inside `model`."""
+    parameters = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
+    if model is None:
+        models = rewritten_models(parameters)
+    else:
+        models = [m for m in model.modules() if isinstance(getattr(m, "_graphamp", None), AmpState)]
+        if not models:
+            raise LossScalingError(
+                f"decorate(model=...) got a {type(model).__name__} that graphamp.rewrite() did not convert, nor any "
+                "module inside it: rewrite the model first, then decorate its optimizer."
+            )
+        owned = {id(p) for m in models for p in m.parameters()}
+        if not any(id(p) in owned for p in parameters):
+            raise LossScalingError(
+                "decorate(model=...): the optimizer holds none of that model's parameters; build the optimizer from "
+                "model.parameters()."
+            )
+    for rewritten in models:
+        rewritten._graphamp.link_optimizer(optimizers[0])
+
+
+class _Stage(enum.Enum):
+    READY = "ready"  # backward() may run, any number of times (gradient accumulation)
+    UNSCALED = "unscaled"  # unscale_() ran: gradients are true gradients, step() comes next
+    STEPPED = "stepped"  # step() ran; waiting for the other wrappers sharing the loss scaler to step
+
+
+class _Iteration:
+    """The wrappers sharing one loss scaler, and whether a scaled backward ran since the scaler's last update."""
+
+    def __init__(self, member: OptimizerWithMixedPrecision) -> None:
+        self.members = [member]
+        self.loss_scaled = False
+        self.scaled_in_graph = False  # a linked model scaled gradients in its graphs since the last step
+
+    def finish_if_all_stepped(self, loss_scaler: LossScaler) -> None:
+        if any(m._stage is not _Stage.STEPPED for m in self.members):
+            return
+        # A wrapper without gradients stepped as a no-op (found_inf None); with none at all the scale stays.
+        checked = [m._found_inf for m in self.members if m._found_inf is not None]
+        if checked:
+            device = checked[0].device
+            loss_scaler.update(sum((other.to(device, non_blocking=True) for other in checked[1:]), checked[0]))
+        self.restart()
+
+    def restart(self) -> None:
+        for member in self.members:
+            member._stage = _Stage.READY
+        self.loss_scaled = False
+        self.scaled_in_graph = False
+
+    def waiting_for(self) -> str:
+        waiting = [f"#{i} ({type(member._optimizer).__name__})" for i, member in enumerate(self.members)
+                   if member._stage is not _Stage.STEPPED]
+        return "optimizer " + ", ".join(waiting) + " of the list given to decorate()"
+
+
+def _wrapped(name: str) -> property:
+    """The wrapped optimizer's attribute `name`, read and written through the wrapper."""
+    return property(
+        lambda self: getattr(self._optimizer, name), lambda self, value: setattr(self._optimizer, name, value)
+    )
+
+
+class OptimizerWithMixedPrecision(torch.optim.Optimizer):
+    """A torch optimizer with loss scaling; made by :func:`graphamp.decorate`. The name is Paddle's.
+
+    Paddle's habit, one call per iteration::
+
+        opt.zero_grad(); opt.minimize(loss)
+
+    GradScaler's habit, with true gradients to clip between backward and step::
+
+        opt.zero_grad(); opt.backward(loss); opt.unscale_()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0); opt.step()
+
+    ``backward(loss)`` may run several times before ``step()`` (gradient accumulation); ``step()`` unscales once,
+    checks for inf/NaN, steps or skips (parameters and optimizer state untouched), then updates the scale.
+
+    Host syncs: ``step()`` reads ``found_inf`` once to decide whether to call the wrapped ``step()``, as GradScaler
+    does, except for optimizers that take ``grad_scale``/``found_inf`` themselves (``fused=True`` Adam, AdamW, SGD):
+    they get the device tensors and skip on the device, with no sync. ``get_loss_scaling()``, ``found_inf`` and
+    ``skipped_steps`` read back from the device when called.
+
+    Anywhere a torch optimizer goes: ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's
+    (so LR schedulers change its learning rate), and so are the hooks registered through the wrapper (they fire
+    around the wrapped optimizer's own ``step()``, so not on skipped steps, and receive the wrapped optimizer).
+    ``state_dict()`` is the wrapped optimizer's plus a ``"loss_scaler"`` entry; ``load_state_dict()`` also takes
+    a plain torch optimizer state dict. Other public attributes are read from the wrapped optimizer.
+
+    Wrappers that share a loss scaler come from ``decorate([opt_a, opt_b])``; see :func:`decorate`. Two wrappers
+    built by hand around one ``LossScaler`` would each update it, twice per iteration.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, loss_scaler: LossScaler) -> None:
+        # Optimizer.__init__ is not called on purpose: it would build param groups of its own.
+        self._optimizer = optimizer
+        self.loss_scaler = loss_scaler
+        self._iteration = _Iteration(self)
+        self._stage = _Stage.READY
+        self._found_inf: torch.Tensor | None = None
+        self._skipped_steps: torch.Tensor | None = None
+
+    # -- the wrapped optimizer's state, in place --------------------------------------------------------------------
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The wrapped torch optimizer."""
+        return self._optimizer
+
+    param_groups = _wrapped("param_groups")
+    state = _wrapped("state")
+    defaults = _wrapped("defaults")
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for names the wrapper lacks. Private names stay the wrapper's own, so torch's flags such as
+        # _step_supports_amp_scaling are never claimed for the wrapper.
+        if name.startswith("_"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(self._optimizer, name)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # An LR scheduler patches `step` onto the instance; like torch optimizers, leave that out of copies.
+        return {k: v for k, v in self.__dict__.items() if k not in ("step", "_opt_called")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        # A copy taken with its model (model first) trains that copy with in-graph scaling, as the original did.
+        for rewritten in rewritten_models(p for group in self.param_groups for p in group["params"]):
+            linked = rewritten._graphamp.backend._linked_optimizer
+            if linked is None or linked() is None:
+                rewritten._graphamp.link_optimizer(self)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+        if self._stage is _Stage.UNSCALED:
+            self._stage = _Stage.READY  # the unscaled gradients are gone; backward() may run again
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self._optimizer.add_param_group(param_group)
+
+    def register_step_pre_hook(self, hook: Callable) -> Any:
+        return self._optimizer.register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook: Callable) -> Any:
+        return self._optimizer.register_step_post_hook(hook)
+
+    def register_state_dict_pre_hook(self, hook: Callable, prepend: bool = False) -> Any:
+        return self._optimizer.register_state_dict_pre_hook(hook, prepend=prepend)
+
+    def register_state_dict_post_hook(self, hook: Callable, prepend: bool = False) -> Any:
+        return self._optimizer.register_state_dict_post_hook(hook, prepend=prepend)
+
+    def register_load_state_dict_pre_hook(self, hook: Callable, prepend: bool = False) -> Any:
+        return self._optimizer.register_load_state_dict_pre_hook(hook, prepend=prepend)
+
+    def register_load_state_dict_post_hook(self, hook: Callable, prepend: bool = False) -> Any:
+        return self._optimizer.register_load_state_dict_post_hook(hook, prepend=prepend)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state dict plus ``"loss_scaler"``: scale, good/bad steps and config."""
+        state_dict = self._optimizer.state_dict()
+        state_dict["loss_scaler"] = self.loss_scaler.state_dict()
+        return state_dict
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore both; a plain torch optimizer state dict (no ``"loss_scaler"``) leaves the scaling as it is."""
+        state_dict = dict(state_dict)
+        loss_scaler_state = state_dict.pop("loss_scaler", None)
+        self._optimizer.load_state_dict(state_dict)
+        if loss_scaler_state is not None:
+            self.loss_scaler.load_state_dict(loss_scaler_state)
+        self._iteration.restart()  # a checkpoint starts a new iteration
+
+    def __repr__(self) -> str:
+        inner = "\n".join("  " + line for line in repr(self._optimizer).splitlines())
+        return f"{type(self).__name__}(\n{inner}\n  {self.loss_scaler!r}\n)"
+
+    # -- loss scaling -----------------------------------------------------------------------------------------------
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``(loss * loss_scaling).backward(**kwargs)``. May run several times before ``step()``."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise LossScalingError(
+                f"backward() needs a scalar loss, got {shape}: reduce it first, e.g. loss.mean() or loss.sum()."
+            )
+        if self._stage is _Stage.UNSCALED:
+            raise LossScalingError(
+                "backward() after unscale_(): new scaled gradients would add to unscaled ones; "
+                "call unscale_() once, after the last backward() of the iteration."
+            )
+        self._check_not_waiting("backward")
+        if self._iteration.scaled_in_graph:
+            loss.backward(**kwargs)  # the linked model's graphs scale the gradients already
+            return
+        self.loss_scaler.scale(loss).backward(**kwargs)
+        self._iteration.loss_scaled = True
+
+    def unscale_(self) -> None:
+        """Divide this optimizer's gradients by the loss scaling in place, e.g. to clip them; once per step."""
+        if self._stage is _Stage.UNSCALED:
+            raise LossScalingError(
+                "unscale_() was already called since the last step(): the gradients are already unscaled; "
+                "call it once per iteration, after the last backward()."
+            )
+        self._check_not_waiting("unscale_")
+        self._unscale(self._grads(), "unscale_")
+
+    def _unscale(self, grads: list[torch.Tensor], what: str) -> None:
+        if not grads:
+            self._found_inf = None  # no gradient: nothing to unscale or check, and step() is eager's no-op
+        else:
+            self._check_scaled(what)
+            scaled = self._iteration.loss_scaled
+            self._found_inf = self.loss_scaler.unscale_(grads) if scaled else self._check_true_gradients(grads)
+        self._stage = _Stage.UNSCALED
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Unscale (unless ``unscale_()`` ran), skip the update if any gradient is inf/NaN, then update the scale.
+
+        Args:
+            closure: runs forward and backward (through a linked model, or ``opt.backward(loss)``) and returns
+                the loss, as Lightning's automatic optimization does; ``step`` then returns that loss. An optimizer
+                that evaluates it several times per step (LBFGS) gets it: each evaluation's gradients are unscaled
+                and checked, and an inf/NaN in any of them skips the whole step.
+        """
+        if closure is not None and _step_needs_closure(self._optimizer):
+            return self._step_evaluating(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_not_waiting("step")
+        optimizer = self._optimizer
+        grads = self._grads() if self._stage is _Stage.READY else None
+        if grads == [] or (self._stage is _Stage.UNSCALED and self._found_inf is None):
+            self._found_inf = None
+            result = optimizer.step()  # no gradient: eager's no-op, with nothing to unscale, check or refuse
+        elif getattr(optimizer, "_step_supports_amp_scaling", False):
+            # GradScaler's contract with fused optimizers: they unscale by `grad_scale` and skip on `found_inf`
+            # inside their kernel; `grad_scale` is None when the gradients are already unscaled.
+            if self._stage is _Stage.READY:
+                self._check_scaled("step")
+                scaled = self._iteration.loss_scaled
+                self._found_inf = self.loss_scaler.check_finite(grads) if scaled else self._check_true_gradients(grads)
+                optimizer.grad_scale = self.loss_scaler.loss_scaling if scaled else None
+            else:
+                optimizer.grad_scale = None
+            optimizer.found_inf = self._found_inf
+            try:
+                result = optimizer.step()
+            finally:
+                del optimizer.grad_scale, optimizer.found_inf
+        else:
+            if self._stage is _Stage.READY:
+                self._unscale(grads, "step")
+            result = None if self._found_inf.item() else optimizer.step()  # the one host sync, as GradScaler's
+        self._finish_step()
+        return loss if closure is not None else result
+
+    def _step_evaluating(self, closure: Callable[[], Any]) -> Any:
+        """step(closure) of an optimizer that calls the closure itself, maybe several times (LBFGS)."""
+        self._check_not_waiting("step")
+        optimizer = self._optimizer
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        with torch.no_grad():  # to restore if a later evaluation overflows: the optimizer moved the weights by then
+            saved_params, saved_state = torch._foreach_mul(params, 1.0), copy.deepcopy(optimizer.state_dict())
+        losses = []
+
+        def evaluate():
+            self._stage = _Stage.READY  # the closure's backward() may run again
+            with torch.enable_grad():
+                losses.append(closure())
+            self._unscale(self._grads(), "step")
+            if self._found_inf is not None and self._found_inf.item():  # one sync per evaluation, as float(loss)
+                raise _Overflow
+            return losses[-1]
+
+        try:
+            optimizer.step(evaluate)
+        except _Overflow:
+            with torch.no_grad():
+                torch._foreach_copy_(params, saved_params)
+            optimizer.load_state_dict(saved_state)
+        self._finish_step()
+        return losses[0] if losses else None
+
+    def _finish_step(self) -> None:
+        if self._found_inf is not None:
+            if self._skipped_steps is None:
+                self._skipped_steps = torch.zeros((), dtype=torch.float32, device=self._found_inf.device)
+            self._skipped_steps.add_(self._found_inf.clamp(max=1.0))
+        self._stage = _Stage.STEPPED
+        self._iteration.finish_if_all_stepped(self.loss_scaler)
+
+    def minimize(self, loss: torch.Tensor) -> Any:
+        """Paddle's one call: ``backward(loss)``, then ``step()``. Zeroing the gradients is ``zero_grad()``'s job."""
+        self.backward(loss)
+        return self.step()
+
+    def _check_not_waiting(self, what: str) -> None:
+        if self._stage is _Stage.STEPPED:
+            raise LossScalingError(
+                f"{what}() after this optimizer's step() while the loss scaling update still waits for "
+                f"{self._iteration.waiting_for()}: step every optimizer sharing the loss scaler once per iteration."
+            )
+
+    def _check_scaled(self, what: str) -> None:
+        if not (self._iteration.loss_scaled or self._iteration.scaled_in_graph or self.loss_scaler.is_fixed_at_one()):
+            raise LossScalingError(
+                f"{what}() without a scaled backward since the last step, and the loss scaling is "
+                f"{self.loss_scaler.get_loss_scaling():g}: the loss came from no model linked to this optimizer. "
+                "Fix, one of: graphamp.rewrite() the model before decorate() (or pass decorate(..., model=model)); "
+                "for a model you compiled with a graphamp.backend of your own, amp_backend.link_optimizer(optimizer) "
+                "(one optimizer per backend: give each model its own backend); or call opt.backward(loss) or "
+                "opt.minimize(loss) instead of loss.backward(), so the gradients carry the loss scaling."
+            )
+
+    def _grads(self) -> list[torch.Tensor]:
+        grads = []
+        for g, group in enumerate(self._optimizer.param_groups):
+            for i, param in enumerate(group["params"]):
+                grad = param.grad
+                if grad is None:
+                    continue
+                if grad.dtype in HALF_DTYPES:
+                    names, dtype = group.get("param_names"), dtype_name(grad.dtype)
+                    where = repr(names[i]) if names else f"#{i} of param group {g} (shape {tuple(param.shape)})"
+                    raise LossScalingError(
+                        f"parameter {where} has a {dtype} gradient: the model was cast to half precision, so there "
+                        "are no FP32 master weights. Keep the model in float32 and use graphamp.rewrite(model, ...) "
+                        f"to run it in {dtype}."
+                    )
+                grads.append(grad._values() if grad.is_sparse else grad)
+        return grads
+
+    # -- loss scaling inside a linked model's graphs ------------------------------------------------------------
+
+    def _run_graph(self, run: Callable, args: tuple) -> Any:
+        """A linked model's graph run, its gradients scaled inside by this optimizer's loss scaling."""
+        if self.loss_scaler.is_fixed_at_one():  # bfloat16's default: the gradients need no scaling
+            return run(*args)
+        self._iteration.scaled_in_graph = True
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+        return run_scaled(run, list(args), self.loss_scaler.state_on(device))
+
+    def _check_true_gradients(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """``found_inf`` of gradients that hold no scaling (in-graph scaling, or a scale fixed at 1.0)."""
+        self.loss_scaler.state_on(grads[0].device)
+        return self.loss_scaler.check_finite(grads)
+
+    # -- for logging ------------------------------------------------------------------------------------------------
+
+    def get_loss_scaling(self) -> float:
+        """The current loss scaling (one host sync)."""
+        return self.loss_scaler.get_loss_scaling()
+
+    @property
+    def found_inf(self) -> bool:
+        """Whether this optimizer's gradients held inf/NaN at its last step or unscale_() (one host sync)."""
+        return self._found_inf is not None and bool(self._found_inf.item())
+
+    @property
+    def skipped_steps(self) -> int:
+        """How many of this wrapper's steps were skipped for inf/NaN gradients (one host sync)."""
+        return 0 if self._skipped_steps is None else int(self._skipped_steps.item())
+
+
+class _Overflow(Exception):
+    """An evaluation of a closure optimizer's step found inf/NaN gradients: the step is abandoned and undone."""
+
+
+def _step_needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer.step` requires its closure (LBFGS re-evaluates it during the step)."""
+    closure = inspect.signature(type(optimizer).step).parameters.get("closure")
+    return closure is not None and closure.default is inspect.Parameter.empty

@@ -1,0 +1,457 @@
+"""Under torch.compile graphamp never silently loses mixed precision or gradients (issue 32): custom autograd
+Functions keep their backward, RNNs and scans are captured, calls dynamo runs eagerly are reported, an outer
+autocast is refused, module patterns mean the model's own paths, and torch.compile's own arguments arrive."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers as tf
+from torch import nn
+
+import graphamp
+from encoder_models import ENCODERS
+from models import VOCAB, bert, deberta_v2, gpt2, llama, token_batch
+
+pytestmark = pytest.mark.filterwarnings("ignore:this CPU has no native bfloat16")
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+# -- the outside models: every gradient present and close to autocast's ------------------------------------------
+
+def bloom():
+    config = tf.BloomConfig(vocab_size=VOCAB, hidden_size=32, n_layer=2, n_head=4, use_cache=False)
+    return tf.BloomForCausalLM(config)  # its GELU is a custom torch.autograd.Function
+
+
+def mamba():
+    config = tf.MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2,
+                            conv_kernel=4, use_cache=False)
+    return tf.MambaForCausalLM(config)  # under dynamo transformers scans with associative_scan
+
+
+class Recurrent(nn.Module):
+    """A token model around nn.LSTM or nn.GRU, modules dynamo runs eagerly unless told to trace them."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.rnn = kind(16, 32, num_layers=2, batch_first=True)
+        self.head = nn.Linear(32, VOCAB)
+
+    def forward(self, input_ids, labels):
+        logits = self.head(self.rnn(self.embed(input_ids))[0])
+        return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+
+def _decoder(build):
+    ids = token_batch()
+    return build(), {"input_ids": ids, "labels": ids}
+
+
+OUTSIDE_MODELS = {
+    **ENCODERS,
+    "gpt2": lambda: _decoder(gpt2),
+    "llama": lambda: _decoder(llama),
+    "bert": lambda: (bert(), {"input_ids": token_batch(), "labels": torch.tensor([0, 2])}),
+    "deberta_v2": lambda: (deberta_v2(), {"input_ids": token_batch(), "labels": torch.tensor([1, 0])}),
+    "bloom": lambda: _decoder(bloom),
+    "mamba": lambda: _decoder(mamba),
+    "lstm": lambda: _decoder(lambda: Recurrent(nn.LSTM)),
+    "gru": lambda: _decoder(lambda: Recurrent(nn.GRU)),
+}
+# oneDNN has no bfloat16 RNN kernel for torch.autocast on a CPU without AVX512-BF16: the reference is FP32 there.
+RNN_MODELS = ("lstm", "gru")
+
+
+def loss_of(output) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    return output.loss if getattr(output, "loss", None) is not None else output.logits.float().square().mean()
+
+
+def gradients_after_one_step(model, batch, autocast: bool) -> dict[str, torch.Tensor | None]:
+    torch.manual_seed(1)
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        loss = loss_of(model(**batch))
+    loss.backward()
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("name", OUTSIDE_MODELS)
+def test_an_outside_model_trains_with_every_gradient_present_and_close_to_autocasts(bf16, name):
+    torch.manual_seed(0)
+    model, batch = OUTSIDE_MODELS[name]()
+    reference = copy.deepcopy(model)
+    graphamp.rewrite(model, (), batch, amp_lists=bf16)
+    graphamp_grads = gradients_after_one_step(model, batch, autocast=False)
+    expected = gradients_after_one_step(reference, batch, autocast=name not in RNN_MODELS)
+    missing = [n for n, g in graphamp_grads.items() if g is None and expected[n] is not None]
+    assert missing == []
+    largest = max(g.norm() for g in expected.values() if g is not None)
+    for parameter, grad in graphamp_grads.items():
+        want = expected[parameter]
+        if want is None:
+            continue
+        assert grad.dtype == torch.float32
+        # A gradient that is zero in exact arithmetic (a key bias under softmax) is rounding noise in both runs.
+        scale = torch.maximum(want.norm(), 1e-4 * largest)
+        assert (grad - want).norm() / scale < 0.1, parameter
+
+
+# -- custom autograd Functions keep their backward ----------------------------------------------------------------
+
+class RoundStraightThrough(torch.autograd.Function):
+    """Rounds in forward; passes the gradient straight through in backward (what the ops alone would give is 0)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return torch.round(x * 4) / 4
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class QuantizedMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.down(RoundStraightThrough.apply(self.up(x)))
+
+
+@pytest.mark.parametrize("front_end", ["rewrite", "backend"])
+def test_a_custom_autograd_function_keeps_its_own_backward(bf16, front_end):
+    torch.manual_seed(0)
+    model, x = QuantizedMLP(), torch.randn(8, 16)
+    reference = copy.deepcopy(model)
+    if front_end == "rewrite":
+        compiled = graphamp.rewrite(model, (x,), amp_lists=bf16)
+    else:
+        compiled = torch.compile(model, backend=graphamp.backend(bf16, inductor=False))
+    compiled(x).square().mean().backward()
+    with torch.autocast("cpu", torch.bfloat16):
+        expected = reference(x).square().mean()
+    expected.backward()
+    assert model.up.weight.grad is not None and model.up.weight.grad.abs().sum() > 0  # through the straight-through
+    for parameter, want in zip(model.parameters(), reference.parameters()):
+        assert (parameter.grad - want.grad).norm() / want.grad.norm() < 0.05
+
+
+def test_a_custom_autograd_function_is_one_node_with_its_bodies_cast_by_the_lists(bf16):
+    model = graphamp.rewrite(QuantizedMLP(), (torch.randn(8, 16),), amp_lists=bf16)
+    (graph,) = graphamp.rewritten_graphs(model)
+    applies = [n for n in graph.graph_module.graph.nodes if "autograd_function_apply" in str(n.target)]
+    assert len(applies) == 1
+    linears = [n for n in graph.graph_module.graph.nodes if n.target == torch.ops.aten.linear.default]
+    assert [n.meta["val"].dtype for n in linears] == [torch.bfloat16, torch.bfloat16]
+
+
+# -- RNNs are captured, their matmuls low ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind, op", [(nn.LSTM, torch.ops.aten.lstm.input), (nn.GRU, torch.ops.aten.gru.input)])
+def test_lstm_and_gru_run_their_matmuls_low(bf16, kind, op):
+    ids = token_batch()
+    model = graphamp.rewrite(Recurrent(kind), (), {"input_ids": ids, "labels": ids}, amp_lists=bf16)
+    (graph,) = graphamp.rewritten_graphs(model)
+    (rnn,) = graph.graph_module.graph.find_nodes(op="call_function", target=op)
+    assert rnn.meta["graphamp"]["decision"] == "white"
+    assert rnn.args[0].meta["val"].dtype == torch.bfloat16
+    head = graph.graph_module.graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default)
+    assert [n.meta["val"].dtype for n in head] == [torch.bfloat16]
+
+
+# -- what dynamo runs itself is reported -------------------------------------------------------------------------
+
+class TwoPaths(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = nn.Linear(8, 8), nn.Linear(8, 2)
+
+    @torch.compiler.disable
+    def outside(self, h):
+        return self.out(h)
+
+    def forward(self, x):
+        return self.outside(torch.relu(self.inp(x)))
+
+
+def test_a_white_op_dynamo_runs_eagerly_is_reported_once_with_its_line(bf16):
+    model = graphamp.rewrite(TwoPaths(), amp_lists=bf16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            model(torch.randn(4, 8))
+    reports = [str(w.message) for w in caught if "ran outside graphamp's graphs" in str(w.message)]
+    assert len(reports) == 1
+    assert "linear x1" in reports[0] and f"{Path(__file__).name}:" in reports[0] and "(outside)" in reports[0]
+
+
+def test_a_model_whose_white_ops_all_run_in_graphs_gets_no_report(bf16):
+    model = graphamp.rewrite(QuantizedMLP(), amp_lists=bf16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            model(torch.randn(4, 16))
+    assert not [w for w in caught if "graphamp:" in str(w.message)]
+
+
+class Tagged(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x, tag: str):
+        return self.linear(x) * len(tag)
+
+
+def test_calls_past_dynamos_recompile_limit_say_they_ran_float32(bf16):
+    model = graphamp.rewrite(Tagged(), amp_lists=bf16)
+    limit = torch._dynamo.config.recompile_limit
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for length in range(limit + 3):  # a Python string argument: one graph per value
+            model(torch.randn(2, 8), "x" * length)
+    eager = [str(w.message) for w in caught if "ran none of graphamp's graphs" in str(w.message)]
+    assert len(eager) == 1 and "recompile_limit" in eager[0] and "dynamic=True" in eager[0]
+
+
+# -- an outer torch.autocast is refused ----------------------------------------------------------------------------
+
+def test_an_outer_autocast_around_a_rewritten_model_is_a_double_amp_error(bf16):
+    model = graphamp.rewrite(QuantizedMLP(), (torch.randn(4, 16),), amp_lists=bf16)
+    with pytest.raises(graphamp.DoubleAmpError, match="Accelerator\\(mixed_precision='no'\\)"):
+        with torch.autocast("cpu", torch.bfloat16):
+            model(torch.randn(4, 16))
+
+
+def test_an_outer_autocast_around_a_compiled_model_is_refused_at_compile(bf16):
+    compiled = torch.compile(QuantizedMLP(), backend=graphamp.backend(bf16, inductor=False))
+    with pytest.raises(Exception, match="two AMP systems are on") as caught:
+        with torch.autocast("cpu", torch.bfloat16):
+            compiled(torch.randn(4, 16))
+    chain = [caught.value, caught.value.__cause__, getattr(caught.value, "inner_exception", None)]
+    assert any(isinstance(error, graphamp.DoubleAmpError) for error in chain)
+
+
+# -- module patterns mean the model's own paths ----------------------------------------------------------------------
+
+def linear_dtypes(graphs) -> dict[str, torch.dtype]:
+    return {
+        node.meta["graphamp"]["module"]: node.meta["val"].dtype
+        for graph in graphs for node in graph.graph_module.graph.nodes
+        if node.target in (torch.ops.aten.linear.default, torch.ops.aten.addmm.default)
+    }
+
+
+class Wrapper(nn.Module):
+    """A framework's wrapper (DDP's shape): the user's model is its `module`."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
+def test_black_module_patterns_match_through_a_framework_wrapper(bf16):
+    amp_backend = graphamp.backend(bf16.with_changes(black_modules=["down"]), inductor=False)
+    torch.compile(Wrapper(QuantizedMLP()), backend=amp_backend)(torch.randn(4, 16))
+    assert linear_dtypes(amp_backend.graphs) == {"up": torch.bfloat16, "down": torch.float32}
+
+
+def test_black_module_patterns_match_on_a_compiled_hf_model(bf16):
+    amp_backend = graphamp.backend(bf16.with_changes(black_modules=["lm_head"]), inductor=False)
+    torch.compile(gpt2(), backend=amp_backend)(input_ids=token_batch())
+    dtypes = linear_dtypes(amp_backend.graphs)
+    assert dtypes["lm_head"] == torch.float32
+    assert {d for path, d in dtypes.items() if path != "lm_head"} == {torch.bfloat16}
+
+
+class Blocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(QuantizedMLP() for _ in range(2))
+
+    def forward(self, x):
+        return sum(layer(x) for layer in self.layers)
+
+
+def test_black_module_patterns_match_model_paths_when_blocks_compile_one_at_a_time(bf16):
+    model = Blocks()
+    amp_backend = graphamp.backend(bf16.with_changes(black_modules=["layers.*.up"]), inductor=False, model=model)
+    for layer in model.layers:
+        layer.compile(backend=amp_backend)
+    model(torch.randn(4, 16))
+    assert linear_dtypes(amp_backend.graphs) == {"layers.0.up": torch.float32, "layers.0.down": torch.bfloat16}
+
+
+def test_twin_blocks_sharing_a_graph_but_decided_apart_are_an_error_not_the_wrong_dtypes(bf16):
+    model = Blocks()
+    amp_backend = graphamp.backend(bf16.with_changes(black_modules=["layers.1.up"]), inductor=False, model=model)
+    for layer in model.layers:
+        layer.compile(backend=amp_backend)
+    with pytest.raises(Exception, match="reuses the graph it compiled for 'layers.0.up' for 'layers.1.up'"):
+        model(torch.randn(4, 16))
+
+
+def test_a_pattern_that_matches_no_module_warns_under_the_backend(bf16):
+    amp_backend = graphamp.backend(bf16.with_changes(black_modules=["dwon"]), inductor=False)
+    compiled = torch.compile(QuantizedMLP(), backend=amp_backend)
+    with pytest.warns(UserWarning, match="'dwon' matches no module.*closest module paths: down"):
+        for _ in range(2):
+            compiled(torch.randn(4, 16))
+
+
+def test_a_pattern_that_matches_no_module_warns_at_rewrite(bf16):
+    with pytest.warns(UserWarning, match="'dwon' matches no module of QuantizedMLP"):
+        graphamp.rewrite(QuantizedMLP(), amp_lists=bf16.with_changes(black_modules=["dwon"]))
+
+
+# -- torch.compile's own arguments arrive --------------------------------------------------------------------------
+
+@pytest.fixture
+def inductor_configs(monkeypatch):
+    """The config patches each graph reaches inductor with (inductor itself is not run)."""
+    import torch._inductor.compile_fx as inductor
+
+    seen = []
+
+    def compile_fx(graph_module, example_inputs, config_patches=None, **kwargs):
+        seen.append(config_patches)
+        return graph_module
+
+    monkeypatch.setattr(inductor, "compile_fx", compile_fx)
+    return seen
+
+
+@pytest.mark.parametrize("how, expected", [
+    ({"mode": "max-autotune-no-cudagraphs"}, {"max_autotune": True, "coordinate_descent_tuning": True}),
+    ({"options": {"epilogue_fusion": False}}, {"epilogue_fusion": False}),
+])
+def test_torch_compiles_mode_and_options_reach_inductor(bf16, inductor_configs, how, expected):
+    torch.compile(QuantizedMLP(), backend=graphamp.backend(bf16), **how)(torch.randn(4, 16))
+    assert inductor_configs == [expected]
+
+
+def test_rewrites_mode_and_options_reach_inductor(bf16, inductor_configs):
+    graphamp.rewrite(QuantizedMLP(), (torch.randn(4, 16),), amp_lists=bf16, compile=True, mode="max-autotune")
+    assert inductor_configs[0]["max_autotune"] is True
+
+
+def test_backend_by_name_runs_mixed_precision_in_a_process_that_never_imports_graphamp():
+    code = (
+        "import sys, torch\n"
+        "torch.manual_seed(0)\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))\n"
+        "x = torch.randn(16, 64)\n"
+        "out = torch.compile(model, backend='graphamp', options={'dtype': 'bfloat16'})(x)\n"
+        "with torch.autocast('cpu', torch.bfloat16):\n"
+        "    autocast = model(x).float()\n"
+        "fp32 = model(x)\n"
+        "print(out.dtype, float((out - autocast).abs().max()), float((out - fp32).abs().max()))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    dtype, from_autocast, from_fp32 = result.stdout.split()[-3:]
+    assert dtype == "torch.float32"
+    assert float(from_fp32) > 1e-4  # bfloat16 rounding shows: it did not run float32 ...
+    assert float(from_autocast) < float(from_fp32)  # ... and it ran as close to autocast's bfloat16 as to anything
+
+
+# -- the optimizer link: messages that name the fix, copies that save ---------------------------------------------
+
+def test_a_model_compiled_with_a_backend_but_never_linked_names_link_optimizer(fp16):
+    model = QuantizedMLP()
+    compiled = torch.compile(model, backend=graphamp.backend(fp16, inductor=False))
+    optimizer = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16)
+    compiled(torch.randn(4, 16)).square().mean().backward()
+    with pytest.raises(graphamp.LossScalingError, match="link_optimizer\\(optimizer\\).*one optimizer per backend"):
+        optimizer.step()
+
+
+def test_a_linked_compiled_model_pickles_and_saves(fp16):
+    model = QuantizedMLP()
+    amp_backend = graphamp.backend(fp16, inductor=False)
+    compiled = torch.compile(model, backend=amp_backend)
+    amp_backend.link_optimizer(graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16))
+    x = torch.randn(4, 16)
+    expected = compiled(x)
+    buffer = io.BytesIO()
+    torch.save(compiled, buffer)
+    buffer.seek(0)
+    for copied in (pickle.loads(pickle.dumps(compiled)), torch.load(buffer, weights_only=False)):
+        assert torch.equal(copied(x), expected)
+
+
+def test_a_global_module_hook_registered_after_the_first_call_runs(bf16):
+    """Dynamo guards no global hook its graphs did not see: the model compiles anew when one comes."""
+    model = graphamp.rewrite(QuantizedMLP(), (torch.randn(4, 16),), amp_lists=bf16)
+    seen = []
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, output: seen.append(module))
+    try:
+        model(torch.randn(4, 16))
+    finally:
+        handle.remove()
+    assert model in seen and model.up in seen
+    seen.clear()
+    model(torch.randn(4, 16))
+    assert seen == []
+
+
+class Parent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.child = QuantizedMLP()
+        self.tail = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.tail(self.child(x))
+
+
+def outer_backend(compiled_graphs: list):
+    def compile_graph(graph_module, example_inputs):
+        compiled_graphs.append(graph_module)
+        return graph_module
+    return compile_graph
+
+
+def test_another_torch_compile_around_a_rewritten_model_leaves_its_graphs_to_graphamp(bf16):
+    """A Trainer's or Lightning's torch.compile over the rewritten model must not recompile it without the casts."""
+    model = graphamp.rewrite(QuantizedMLP(), amp_lists=bf16)
+    others = []
+    compiled = torch.compile(model, backend=outer_backend(others))
+    for _ in range(2):
+        compiled(torch.randn(4, 16))
+    (graph,) = graphamp.rewritten_graphs(model)
+    assert graph.runs == 2 and others == []
+
+
+def test_a_rewritten_submodule_of_a_model_compiled_otherwise_keeps_its_mixed_precision(bf16):
+    model = Parent()
+    graphamp.rewrite(model.child, amp_lists=bf16)
+    others = []
+    torch.compile(model, backend=outer_backend(others))(torch.randn(4, 16))
+    (graph,) = graphamp.rewritten_graphs(model.child)
+    assert graph.runs == 1
+    assert linear_dtypes([graph]) == {"up": torch.bfloat16, "down": torch.bfloat16}
+    outer_ops = {str(node.target) for gm in others for node in gm.graph.nodes if node.op == "call_function"}
+    assert "<built-in function linear>" in outer_ops and len(others) == 1  # only the parent's tail
