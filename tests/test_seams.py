@@ -455,3 +455,36 @@ def test_a_rewritten_submodule_of_a_model_compiled_otherwise_keeps_its_mixed_pre
     assert linear_dtypes([graph]) == {"up": torch.bfloat16, "down": torch.bfloat16}
     outer_ops = {str(node.target) for gm in others for node in gm.graph.nodes if node.op == "call_function"}
     assert "<built-in function linear>" in outer_ops and len(others) == 1  # only the parent's tail
+
+
+class Refine(nn.Module):
+    """A torch while_loop: dynamo keeps it a higher-order op with a condition and a body sub-graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.step, self.out = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        from torch._higher_order_ops.while_loop import while_loop
+
+        def body(i, h):
+            return i + 1, torch.tanh(self.step(h))
+
+        _, h = while_loop(lambda i, h: i < 3, body, (torch.zeros((), dtype=torch.int64), self.inp(x)))
+        return self.out(h)
+
+
+def test_a_while_loops_body_runs_its_matmuls_low_and_gives_autocasts_output(bf16):
+    torch.manual_seed(0)
+    model, x = Refine(), torch.randn(4, 8)
+    reference = copy.deepcopy(model)
+    graphamp.rewrite(model, (x,), amp_lists=bf16)
+    with torch.no_grad():
+        out = model(x)
+        with torch.autocast("cpu", torch.bfloat16):
+            expected = reference(x).float()
+    graph = graphamp.rewritten_graphs(model)[-1]  # the call under no_grad's
+    bodies = [m for name, m in graph.graph_module.named_children() if "body" in name]
+    assert [n.meta["val"].dtype for body in bodies for n in body.graph.nodes
+            if n.target == torch.ops.aten.linear.default] == [torch.bfloat16]
+    assert out.dtype == torch.float32 and (out - expected).abs().max() < 2e-2
