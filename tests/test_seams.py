@@ -137,13 +137,13 @@ class QuantizedMLP(nn.Module):
         return self.down(RoundStraightThrough.apply(self.up(x)))
 
 
-@pytest.mark.parametrize("front_end", ["rewrite", "backend"])
+@pytest.mark.parametrize("front_end", ["rewrite", "rewrite+inductor", "backend"])
 def test_a_custom_autograd_function_keeps_its_own_backward(bf16, front_end):
     torch.manual_seed(0)
     model, x = QuantizedMLP(), torch.randn(8, 16)
     reference = copy.deepcopy(model)
-    if front_end == "rewrite":
-        compiled = graphamp.rewrite(model, (x,), amp_lists=bf16)
+    if front_end.startswith("rewrite"):
+        compiled = graphamp.rewrite(model, (x,), amp_lists=bf16, compile=front_end.endswith("inductor"))
     else:
         compiled = torch.compile(model, backend=graphamp.backend(bf16, inductor=False))
     compiled(x).square().mean().backward()
