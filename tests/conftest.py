@@ -6,6 +6,7 @@ Models live in models.py, the training loop and relative error in training.py.
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -17,6 +18,15 @@ from torch._higher_order_ops.cond import cond_op
 import graphamp
 from graphamp.inspection.recording import DtypeRecorder
 from training import loss_of
+
+
+@pytest.fixture(scope="module", autouse=True)
+def dynamo_caches_of_this_file_only():
+    """Before torch 2.13 (no `isolate_recompiles`) dynamo counts the recompile limit of the frames after a graph break
+    (a model class's forward) over every model compiled in the process, dead ones too: the models of earlier files
+    would push this file's past the limit, and their calls would run eagerly. Each file starts with empty caches."""
+    if "isolate_recompiles" not in inspect.signature(torch.compile).parameters:
+        torch._dynamo.reset()
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,7 @@ import transformers as tf
 from torch import nn
 
 import graphamp
+from graphamp.frontends.eager_audit import TORCH_ISOLATES_RECOMPILES
 from encoder_models import ENCODERS
 from models import VOCAB, bert, deberta_v2, gpt2, llama, token_batch
 
@@ -231,6 +232,34 @@ def test_calls_past_dynamos_recompile_limit_say_they_ran_float32(bf16):
             model(torch.randn(2, 8), "x" * length)
     eager = [str(w.message) for w in caught if "ran none of graphamp's graphs" in str(w.message)]
     assert len(eager) == 1 and "recompile_limit" in eager[0] and "dynamic=True" in eager[0]
+
+
+class Broken(nn.Module):
+    """Two layers with a graph break between them: dynamo compiles them in frames of Broken.forward's own code."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.first(x)
+        torch._dynamo.graph_break()
+        return self.second(h)
+
+
+def test_more_models_of_a_class_with_a_graph_break_than_the_recompile_limit_run_low_or_say_how(bf16):
+    models = [graphamp.rewrite(Broken(), amp_lists=bf16) for _ in range(torch._dynamo.config.recompile_limit + 2)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for model in models:
+            model(torch.randn(4, 8))
+    reports = [str(w.message) for w in caught if "graphamp:" in str(w.message)]
+    if TORCH_ISOLATES_RECOMPILES:  # each model its own cache: every one runs both layers in its graphs, low
+        assert reports == []
+        assert all(set(linear_dtypes(graphamp.rewritten_graphs(m)).values()) == {torch.bfloat16} for m in models)
+        assert all(len(linear_dtypes(graphamp.rewritten_graphs(m))) == 2 for m in models)
+    else:  # one limit for every model's frames of Broken.forward: the models past it are reported, with the fix
+        assert reports and all("torch._dynamo.reset()" in report for report in reports)
 
 
 # -- an outer torch.autocast is refused ----------------------------------------------------------------------------

@@ -11,6 +11,7 @@ called it and the fix. Other calls pay nothing; docs/backend.md has the measured
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 import warnings
 from collections import Counter
@@ -21,7 +22,14 @@ from torch._guards import TracingContext
 
 from graphamp.policy.lists import WHITE, AutoMixedPrecisionLists
 
-__all__ = ["EagerAudit"]
+__all__ = ["EagerAudit", "SHARED_RECOMPILE_LIMIT_HINT", "TORCH_ISOLATES_RECOMPILES"]
+
+# torch >= 2.13 can give each model its own cache for the frames after a graph break (its class's forward code).
+TORCH_ISOLATES_RECOMPILES = "isolate_recompiles" in inspect.signature(torch.compile).parameters
+SHARED_RECOMPILE_LIMIT_HINT = "" if TORCH_ISOLATES_RECOMPILES else (
+    " On this torch (before 2.13) the recompile limit of the frames after a graph break also counts every earlier "
+    "model of the same class compiled in this process: torch._dynamo.reset() between models frees it."
+)
 
 _TORCH_DIRS = (str(Path(torch.__file__).parent), str(Path(torch.__file__).resolve().parent))
 
@@ -73,8 +81,9 @@ class EagerAudit:
             f"{', '.join(f'{op} x{n}' for op, n in counts.most_common())}"
             + (f", called from {'; '.join(places[:3])}" if places else "")
             + ". Dynamo ran that code itself: a module or frame it skips, a function under torch.compiler.disable, "
-            "or code between two graphs at a graph break. Fix: let dynamo trace it (drop the disable; "
-            "TORCH_LOGS=graph_breaks shows the breaks), or run that part under torch.autocast yourself.",
+            "code between two graphs at a graph break, or a frame past dynamo's recompile limit. Fix: let dynamo "
+            "trace it (drop the disable; TORCH_LOGS=graph_breaks,recompiles shows the breaks and the recompiles), or "
+            f"run that part under torch.autocast yourself.{SHARED_RECOMPILE_LIMIT_HINT}",
             stacklevel=5,
         )
 

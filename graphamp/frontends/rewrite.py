@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-import inspect
 import itertools
 import types
 import warnings
@@ -28,7 +27,7 @@ from torch.nn.modules import module as module_globals
 
 from graphamp.errors import ArgumentError, GraphampError
 from graphamp.frontends.compile_backend import AmpBackend, BackendGraph, refuse_outer_autocast
-from graphamp.frontends.eager_audit import EagerAudit
+from graphamp.frontends.eager_audit import SHARED_RECOMPILE_LIMIT_HINT, TORCH_ISOLATES_RECOMPILES, EagerAudit
 from graphamp.frontends.lowering import state_paths
 from graphamp.policy.config import AmpConfig, check_entry_arguments, check_master_weights
 
@@ -45,9 +44,7 @@ _REWRITTEN: weakref.WeakSet = weakref.WeakSet()
 # Dynamo keeps its graphs, and counts its recompile limit, per code object: shared by every rewritten model, past 8
 # models a new one would run eagerly in float32. Each model compiles a code object of its own (_fresh_call_module),
 # and where torch has it (>= 2.13) its own cache for the frames after a graph break (its class's forward code).
-_ISOLATED_RECOMPILES = (
-    {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
-)
+_ISOLATED_RECOMPILES = {"isolate_recompiles": True} if TORCH_ISOLATES_RECOMPILES else {}
 
 _DEPRECATED = {
     "fp32_outputs": "the values a graph returns keep the dtypes the model's own code gives them (float32 where the "
@@ -196,7 +193,7 @@ class AmpState:
                 f"(torch._dynamo.config.recompile_limit={torch._dynamo.config.recompile_limit}), reached by as many "
                 f"input signatures: new shapes with dynamic=False, or a Python argument taking many values. Fix: "
                 f"rewrite(..., dynamic=True) (one graph for every size), keep Python arguments fixed, or raise the "
-                f"limit; TORCH_LOGS=recompiles shows why it recompiled.",
+                f"limit; TORCH_LOGS=recompiles shows why it recompiled.{SHARED_RECOMPILE_LIMIT_HINT}",
                 stacklevel=4,
             )
         if len(backend.graphs) != compiled_before:
