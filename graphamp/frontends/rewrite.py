@@ -28,7 +28,6 @@ from torch.nn.modules import module as module_globals
 from graphamp.errors import ArgumentError, GraphampError
 from graphamp.frontends.compile_backend import AmpBackend, BackendGraph, refuse_outer_autocast
 from graphamp.frontends.eager_audit import SHARED_RECOMPILE_LIMIT_HINT, TORCH_ISOLATES_RECOMPILES, EagerAudit
-from graphamp.frontends.lowering import state_paths
 from graphamp.policy.config import AmpConfig, check_entry_arguments, check_master_weights
 
 __all__ = ["AmpState", "rewrite", "rewritten_graphs", "rewritten_models"]
@@ -162,10 +161,7 @@ class AmpState:
     def install(self) -> None:
         """Route the model's calls through torch.compile with a backend of its own (as nn.Module.compile)."""
         model = self.model
-        model_ref = weakref.ref(model)
-        self.backend = AmpBackend(
-            self.config, self.settings.inductor, model_state=lambda: state_paths(model_ref())
-        )
+        self.backend = AmpBackend(self.config, self.settings.inductor, model=model)
         model.__dict__["_compiled_call_impl"] = _AmpCall(self)
         # Dynamo, tracing a module call, inlines torch's own `_call_impl` and would skip `_compiled_call_impl`: with
         # a `_call_impl` of its own the model is called through `__call__`, which reaches _AmpCall.
@@ -249,7 +245,8 @@ class _AmpCall:
 
 
 def _call_impl(module: nn.Module, *args, **kwargs):
-    """nn.Module's own `_call_impl`, as another function object (see AmpState.install)."""
+    """nn.Module's own `_call_impl`, as another function object (see AmpState.install). Named as the attribute it
+    is bound to, and kept apart from `_call_module`: pickle saves a bound method as getattr(model, its name)."""
     return nn.Module._call_impl(module, *args, **kwargs)
 
 
