@@ -10,8 +10,6 @@ backend="graphamp")` reaches one by name (named_backend.py).
 
 from __future__ import annotations
 
-import difflib
-import fnmatch
 import time
 import warnings
 import weakref
@@ -22,7 +20,7 @@ from torch.amp.autocast_mode import is_autocast_available
 from torch.fx import GraphModule
 
 from graphamp.errors import ArgumentError, CaptureError, DoubleAmpError
-from graphamp.frontends.lowering import ModulePaths, rename_module_paths, state_paths, state_placeholders, to_aten
+from graphamp.frontends.lowering import ModulePaths, rename_module_paths, state_placeholders, to_aten
 from graphamp.passes import run_passes
 from graphamp.passes.cast_pass import RewriteReport
 from graphamp.policy.config import AmpConfig
@@ -55,11 +53,9 @@ def backend(
         graph's rewrite and `graphamp.export(it, folder)` writes them.
     """
     config = AmpConfig(amp_lists if amp_lists is not None else AutoMixedPrecisionLists(), level)
-    if model is None:
-        return AmpBackend(config, inductor, inductor_options)
-    config.lists.warn_unmatched_black_modules(model)
-    model_ref = weakref.ref(model)
-    return AmpBackend(config, inductor, inductor_options, model_state=lambda: state_paths(model_ref()))
+    if model is not None:
+        config.lists.warn_unmatched_black_modules(model)
+    return AmpBackend(config, inductor, inductor_options, model)
 
 
 @dataclass
@@ -79,7 +75,7 @@ class AmpBackend:
     contract. Make it with graphamp.backend(); rewrite() makes one per model."""
 
     def __init__(self, config: AmpConfig, inductor: bool = True, inductor_options: dict | None = None,
-                 model_state=None):
+                 model: torch.nn.Module | None = None):
         self.config = config
         self.inductor = inductor
         self.inductor_options = dict(inductor_options or {})
@@ -88,9 +84,9 @@ class AmpBackend:
         self.counting_depth = False  # while an eager audit watches a call (eager_audit.py) ...
         self.graphs_running = 0  # ... how many graph runs are under way
         self._linked_optimizer = None
-        self._module_paths = ModulePaths(model_state)
+        self._module_paths = ModulePaths(model)
         # rewrite() checks the patterns against the model itself; compiled alone, after a whole call (below).
-        self._patterns_checked = model_state is not None or not config.lists.black_modules
+        self._patterns_checked = model is not None or not config.lists.black_modules
         self._paths_seen: set[str] = set()
         configure_dynamo()
 
@@ -192,7 +188,7 @@ class AmpBackend:
         does not reuse it for a twin block (blocks compiled one at a time share a graph) that the black-module
         patterns decide otherwise, which would run that block with this one's dtypes."""
         lists = self.config.lists
-        if not lists.black_modules or self._module_paths.model_state is None or not state:
+        if not lists.black_modules or not self._module_paths.knows_model or not state:
             return None
         first = placeholders.index(next(iter(state)))
         decided = {path: lists.black_module_for(to_model_path(path)) for path in relative_paths}
@@ -219,21 +215,22 @@ class AmpBackend:
         """A black-module pattern that matched no module of any graph keeps nothing in FP32: say so once."""
         self._patterns_checked = True
         paths = sorted(self._paths_seen)
-        for pattern in self.config.lists.black_modules:
-            if not any(fnmatch.fnmatchcase(path, pattern.name) for path in paths):
-                close = difflib.get_close_matches(pattern.name, paths, n=3, cutoff=0.5)
-                hint = f"closest module paths: {', '.join(close)}" if close else f"paths seen: {', '.join(paths[:5])}"
-                warnings.warn(
-                    f"{pattern.source}: black-module pattern '{pattern.name}' matches no module of the graphs "
-                    f"torch.compile captured, so it keeps nothing in FP32 ({hint}). Module paths here are those of "
-                    f"the module torch.compile got; graphamp.rewrite(model) matches them against the whole model.",
-                    stacklevel=3,
-                )
+        for pattern, close in self.config.lists.unmatched_black_modules(paths):
+            hint = f"closest module paths: {', '.join(close)}" if close else f"paths seen: {', '.join(paths[:5])}"
+            warnings.warn(
+                f"{pattern.source}: black-module pattern '{pattern.name}' matches no module of the graphs "
+                f"torch.compile captured, so it keeps nothing in FP32 ({hint}). Module paths here are those of "
+                f"the module torch.compile got; graphamp.rewrite(model) matches them against the whole model.",
+                stacklevel=3,
+            )
 
     def __getstate__(self) -> dict:
         """A pickled backend (torch.save of a compiled model) keeps its configuration; graphs and link are remade."""
         state = dict(self.__dict__)
-        state.update(graphs=[], graph_runs=0, counting_depth=False, graphs_running=0, _linked_optimizer=None, _module_paths=ModulePaths())
+        state.update(
+            graphs=[], graph_runs=0, counting_depth=False, graphs_running=0, _linked_optimizer=None,
+            _module_paths=ModulePaths(),
+        )
         return state
 
     def __repr__(self) -> str:

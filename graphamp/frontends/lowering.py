@@ -17,6 +17,7 @@ import contextlib
 import functools
 import itertools
 import re
+import weakref
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -26,7 +27,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from graphamp.errors import CaptureError
 
-__all__ = ["ModulePaths", "module_fqn", "rename_module_paths", "state_paths", "state_placeholders", "to_aten"]
+__all__ = ["ModulePaths", "module_fqn", "rename_module_paths", "state_placeholders", "to_aten"]
 
 _AUTOGRAD_FUNCTION = getattr(torch.ops.higher_order, "autograd_function_apply", None)
 
@@ -209,12 +210,16 @@ class ModulePaths:
     attribute at the front (DDP's `module.`) is dropped.
     """
 
-    def __init__(self, model_state=None):
-        self.model_state = model_state  # () -> {id(parameter or buffer): its path in the model}, or None
+    def __init__(self, model: torch.nn.Module | None = None):
+        self._model = weakref.ref(model) if model is not None else None  # the backend must not keep it alive
+
+    @property
+    def knows_model(self) -> bool:
+        return self._model is not None
 
     def resolver(self, state: dict[str, str], inputs_by_placeholder: dict[str, object]):
         """A function from a graph path to a model path, for the graph whose state placeholders are `state`."""
-        model_state = self.model_state() if self.model_state is not None else {}
+        model_state = _state_paths(self._model()) if self._model is not None else {}
         for placeholder, relative in state.items():
             absolute = model_state.get(id(inputs_by_placeholder.get(placeholder)))
             if absolute is None:
@@ -228,7 +233,7 @@ class ModulePaths:
         return _without_wrappers
 
 
-def state_paths(model: torch.nn.Module | None) -> dict[int, str]:
+def _state_paths(model: torch.nn.Module | None) -> dict[int, str]:
     """id(parameter or buffer) -> its path in `model`, which a graph's module paths are resolved against."""
     if model is None:
         return {}

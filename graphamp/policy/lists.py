@@ -268,15 +268,22 @@ class AutoMixedPrecisionLists:
         the user believes those ops run in FP32 while they run low."""
         # remove_duplicate=False: a module shared under two names answers to both
         paths = [name for name, _ in model.named_modules(remove_duplicate=False) if name]
-        for pattern in self.black_modules:
-            if not any(fnmatch.fnmatchcase(path, pattern.name) for path in paths):
-                close = difflib.get_close_matches(pattern.name, paths, n=3, cutoff=0.5)
-                hint = f"closest module paths: {', '.join(close)}" if close else "see model.named_modules()"
-                warnings.warn(
-                    f"{pattern.source}: black-module pattern '{pattern.name}' matches no module of "
-                    f"{type(model).__name__}, so it keeps nothing in FP32; {hint}.",
-                    stacklevel=4,
-                )
+        for pattern, close in self.unmatched_black_modules(paths):
+            hint = f"closest module paths: {', '.join(close)}" if close else "see model.named_modules()"
+            warnings.warn(
+                f"{pattern.source}: black-module pattern '{pattern.name}' matches no module of "
+                f"{type(model).__name__}, so it keeps nothing in FP32; {hint}.",
+                stacklevel=4,
+            )
+
+    def unmatched_black_modules(self, paths: list[str]) -> list[tuple[ListEntry, list[str]]]:
+        """The black-module patterns that match none of the module `paths`, each with the closest paths (a typo's
+        likely target)."""
+        return [
+            (pattern, difflib.get_close_matches(pattern.name, paths, n=3, cutoff=0.5))
+            for pattern in self.black_modules
+            if not any(fnmatch.fnmatchcase(path, pattern.name) for path in paths)
+        ]
 
     def with_changes(self, white=(), black=(), black_modules=()) -> AutoMixedPrecisionLists:
         """These lists with more custom entries: `white`/`black` ops (taken off any other custom list) and
