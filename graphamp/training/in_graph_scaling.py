@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from graphamp.training.loss_scaler import reciprocal_of
+
 __all__ = ["run_scaled", "scale_gradients", "scaling_factors", "times_present", "unscale_gradients"]
 
 
@@ -128,7 +130,4 @@ def run_scaled(run, inputs: list, scale: torch.Tensor):
 
 def scaling_factors(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, 1/scale) as of now: the scale's update at this iteration's step() must not reach its backward."""
-    # The reciprocal in float64 (MPS has none), as GradScaler's unscale_: float32 division is inexact under some
-    # compile options.
-    inv_scale = scale.reciprocal() if scale.device.type == "mps" else scale.double().reciprocal().float()
-    return scale.clone(), inv_scale
+    return scale.clone(), reciprocal_of(scale)

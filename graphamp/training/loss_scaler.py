@@ -29,7 +29,7 @@ from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 from graphamp.errors import LossScalingError
 from graphamp.policy.dtypes import HALF_DTYPES
 
-__all__ = ["LossScaler"]
+__all__ = ["LossScaler", "reciprocal_of"]
 
 
 # The configuration: LossScaler's arguments, attributes and state_dict() keys, beside the scale and the counters.
@@ -43,6 +43,12 @@ _STATE_KEYS = ("loss_scaling", "good_steps", "bad_steps", *_CONFIG_KEYS)
 def _as_float32(x: float) -> float:
     """The float32 value nearest ``x``: Paddle keeps the ratios as float32 attributes, so the products match."""
     return torch.tensor(x, dtype=torch.float32).item()
+
+
+def reciprocal_of(scale: torch.Tensor) -> torch.Tensor:
+    """1/scale, what unscaling multiplies gradients by: computed in float64 (MPS has none), as GradScaler does, since
+    float32 division is inexact under some compile options."""
+    return scale.reciprocal() if scale.device.type == "mps" else scale.double().reciprocal().float()
 
 
 class LossScaler:
@@ -173,11 +179,7 @@ class LossScaler:
 
     def unscale_(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         """Divide ``grads`` by the scale in place; return ``found_inf``, a float32 0-dim tensor (1.0 if any inf/NaN)."""
-        scale = self._require_scale("unscale_")
-        # The reciprocal in float64 (MPS has none), as GradScaler does: float32 division is inexact under some
-        # compile options.
-        inv_scale = scale.reciprocal() if scale.device.type == "mps" else scale.double().reciprocal().float()
-        return self._check_and_unscale(grads, inv_scale)
+        return self._check_and_unscale(grads, reciprocal_of(self._require_scale("unscale_")))
 
     def check_finite(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         """``found_inf`` for ``grads`` without unscaling them (fused optimizers unscale inside their own kernel)."""
