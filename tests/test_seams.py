@@ -181,6 +181,14 @@ def test_lstm_and_gru_run_their_matmuls_low(bf16, kind, op):
 
 # -- what dynamo runs itself is reported -------------------------------------------------------------------------
 
+def graphamp_warnings(run) -> list[str]:
+    """The messages of graphamp's own warnings while `run()` runs, each occurrence kept."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run()
+    return [str(w.message) for w in caught if "graphamp:" in str(w.message)]
+
+
 class TwoPaths(nn.Module):
     def __init__(self):
         super().__init__()
@@ -196,22 +204,15 @@ class TwoPaths(nn.Module):
 
 def test_a_white_op_dynamo_runs_eagerly_is_reported_once_with_its_line(bf16):
     model = graphamp.rewrite(TwoPaths(), amp_lists=bf16)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for _ in range(4):
-            model(torch.randn(4, 8))
-    reports = [str(w.message) for w in caught if "ran outside graphamp's graphs" in str(w.message)]
+    reports = [m for m in graphamp_warnings(lambda: [model(torch.randn(4, 8)) for _ in range(4)])
+               if "ran outside graphamp's graphs" in m]
     assert len(reports) == 1
     assert "linear x1" in reports[0] and f"{Path(__file__).name}:" in reports[0] and "(outside)" in reports[0]
 
 
 def test_a_model_whose_white_ops_all_run_in_graphs_gets_no_report(bf16):
     model = graphamp.rewrite(QuantizedMLP(), amp_lists=bf16)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for _ in range(3):
-            model(torch.randn(4, 16))
-    assert not [w for w in caught if "graphamp:" in str(w.message)]
+    assert not graphamp_warnings(lambda: [model(torch.randn(4, 16)) for _ in range(3)])
 
 
 class Tagged(nn.Module):
@@ -226,11 +227,9 @@ class Tagged(nn.Module):
 def test_calls_past_dynamos_recompile_limit_say_they_ran_float32(bf16):
     model = graphamp.rewrite(Tagged(), amp_lists=bf16)
     limit = torch._dynamo.config.recompile_limit
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for length in range(limit + 3):  # a Python string argument: one graph per value
-            model(torch.randn(2, 8), "x" * length)
-    eager = [str(w.message) for w in caught if "ran none of graphamp's graphs" in str(w.message)]
+    # a Python string argument: one graph per value
+    calls = graphamp_warnings(lambda: [model(torch.randn(2, 8), "x" * length) for length in range(limit + 3)])
+    eager = [m for m in calls if "ran none of graphamp's graphs" in m]
     assert len(eager) == 1 and "recompile_limit" in eager[0] and "dynamic=True" in eager[0]
 
 
@@ -249,11 +248,7 @@ class Broken(nn.Module):
 
 def test_more_models_of_a_class_with_a_graph_break_than_the_recompile_limit_run_low_or_say_how(bf16):
     models = [graphamp.rewrite(Broken(), amp_lists=bf16) for _ in range(torch._dynamo.config.recompile_limit + 2)]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for model in models:
-            model(torch.randn(4, 8))
-    reports = [str(w.message) for w in caught if "graphamp:" in str(w.message)]
+    reports = graphamp_warnings(lambda: [model(torch.randn(4, 8)) for model in models])
     if TORCH_ISOLATES_RECOMPILES:  # each model its own cache: every one runs both layers in its graphs, low
         assert reports == []
         assert all(set(linear_dtypes(graphamp.rewritten_graphs(m)).values()) == {torch.bfloat16} for m in models)
