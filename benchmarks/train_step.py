@@ -6,7 +6,8 @@
     python benchmarks/train_step.py --models gpt2 --modes autocast,graphamp --profile --trace-dir traces/
     python benchmarks/train_step.py --micro-batches 4 --fused --compile-mode reduce-overhead
 
-The five modes: FP32 eager; torch.autocast eager; torch.autocast + torch.compile; graphamp, the model converted
+The six modes: FP32 eager; torch.autocast eager; torch.autocast + torch.compile; graphamp.auto_cast eager (graphamp's
+lists as an eager policy, no compile); graphamp, the model converted
 in place by graphamp.rewrite(model, compile=False) (dynamo captures, graphamp's passes cast, each graph runs as fx
 code); graphamp + compile, rewrite(model, compile=True) (the same graphs compiled by inductor). --compile-mode is
 torch.compile's mode= for both compiled modes. On a CPU the models are scaled down and run in bfloat16; on a GPU
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-MODES = ["fp32", "autocast", "autocast+compile", "graphamp", "graphamp+compile"]
+MODES = ["fp32", "autocast", "autocast+compile", "auto_cast", "graphamp", "graphamp+compile"]
 MODELS = ["gpt2", "bert", "resnet50"]
 RESULT_PREFIX = "BENCHMARK-RESULT "
 # Dense bf16 tensor-core peaks from the vendors' data sheets, for model-FLOPs utilisation (first match wins).
@@ -78,7 +79,13 @@ def measure(model_name: str, mode: str, dtype_name: str, device: str, steps: int
         "unit": workload.unit, "stacks_mib": stacks_mib,
     }
 
-    if mode.startswith("graphamp"):
+    if mode == "auto_cast":
+        lists = graphamp.AutoMixedPrecisionLists(dtype=dtype_name)
+        net = model
+        if low == torch.float16:
+            optimizer = graphamp.decorate(optimizer, lists)  # optimizer.backward(loss) scales the loss
+        autocast = lambda: graphamp.auto_cast(lists, model=model)  # noqa: E731
+    elif mode.startswith("graphamp"):
         lists = graphamp.AutoMixedPrecisionLists(dtype=dtype_name)
         started = time.perf_counter()
         # Converts `model` in place and compiles it ahead on the first batch: rewrite_s is dynamo's capture and
@@ -264,8 +271,10 @@ def table(results: list[dict], device: str, name: str) -> str:
             rows.append(f"| {r['model']} | {r['mode']} | failed: {' '.join(r['error'])} |")
             continue
         fp32 = by_key.get((r["model"], "fp32"), {})
-        autocast = by_key.get((r["model"], r["mode"].replace("graphamp", "autocast")), {})
-        is_graphamp = r["mode"].startswith("graphamp")
+        # graphamp's modes against autocast in the same mode; auto_cast (eager) against eager autocast.
+        autocast = by_key.get((r["model"], r["mode"].replace("graphamp", "autocast").replace("auto_cast", "autocast")),
+                              {})
+        is_graphamp = r["mode"].startswith("graphamp") or r["mode"] == "auto_cast"
         cells = [
             r["model"], r["mode"], f"{1e3 * r['step_s']:.1f}", f"{100 * r.get('spread', 0):.0f}%",
             _ratio(fp32.get("step_s"), r["step_s"]),

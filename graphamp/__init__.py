@@ -3,7 +3,7 @@
 The pipeline: the policy (`AutoMixedPrecisionLists`, graphamp.policy) → the passes (graphamp.passes) → the front
 ends (graphamp.frontends): `rewrite` converts the user's model in place to train under torch.compile with
 graphamp's backend (`backend`, or `torch.compile(model, backend="graphamp")`), `export_program` gives the whole
-model as one static ExportedProgram → training (`decorate`, graphamp.training). Beside it, the tools: `export`
+model as one static ExportedProgram, `auto_cast` applies the same lists to code that runs eagerly → training (`decorate`, graphamp.training). Beside it, the tools: `export`
 (graphamp.inspection) and `doctor`/`auto_mixed_precision` (graphamp.diagnosis).
 """
 
@@ -15,7 +15,8 @@ from graphamp.errors import (
     ArgumentError, CaptureError, DoubleAmpError, ExportError, GraphampError, ListFileError,
     LossScalingError, RewriteError,
 )
-from graphamp.frontends.compile_backend import backend
+from graphamp.frontends.compile_backend import AmpBackend, backend
+from graphamp.frontends.eager_policy import auto_cast
 from graphamp.frontends.export_program import export_program
 from graphamp.frontends.rewrite import rewrite, rewritten_graphs
 from graphamp.inspection.export_files import export
@@ -25,6 +26,7 @@ from graphamp.training.loss_scaler import LossScaler
 from graphamp.training.optimizer import OptimizerWithMixedPrecision, decorate
 
 __all__ = [
+    "AmpBackend",
     "ArgumentError",
     "AutoListsResult",
     "AutoMixedPrecisionLists",
@@ -41,6 +43,7 @@ __all__ = [
     "RewriteError",
     "RewriteReport",
     "__version__",
+    "auto_cast",
     "auto_mixed_precision",
     "backend",
     "decorate",

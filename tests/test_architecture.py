@@ -42,12 +42,20 @@ def test_the_folders_are_the_pipeline():
     folders = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists())
     assert folders == ["diagnosis", "frontends", "inspection", "passes", "policy", "training"]
     loose = sorted(p.name for p in PACKAGE.glob("*.py"))
-    assert loose == ["__init__.py", "cli.py", "errors.py"]
+    assert loose == ["__init__.py", "cli.py", "errors.py", "torch_private.py"]
 
 
-def test_the_package_is_at_most_6500_lines():
+def test_the_private_torch_apis_module_imports_nothing_of_graphamps():
+    assert imports_of(PACKAGE / "torch_private.py") == set()
+
+
+# A ratchet with room, not a target: lower it when the package shrinks, raise it only with a reason in the commit.
+PACKAGE_LINES_AT_MOST = 7200
+
+
+def test_the_package_stays_under_its_line_ratchet():
     lines = sum(len(path.read_text().splitlines()) for path in PACKAGE.rglob("*.py"))
-    assert lines <= 6500, f"graphamp/ has {lines} lines"
+    assert lines <= PACKAGE_LINES_AT_MOST, f"graphamp/ has {lines} lines"
 
 
 def test_version_is_the_installed_distributions():

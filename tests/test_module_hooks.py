@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import graphamp
+from conftest import CompiledCodeRecorder
 from models import BlockStack, TwoLayer, gpt2, llama, token_batch
 from training import TORCH_BEFORE_2_13, matmul_dtypes, relative_error
 
@@ -246,9 +247,8 @@ def test_full_backward_hook_sees_the_gradients_autocast_sees(bf16, registered):
     eager.fc2.register_full_backward_hook(record)
     if registered == "before":
         graphamp.rewrite(model, (x,), amp_lists=bf16)
-    with pytest.warns(UserWarning, match="ran outside graphamp's graphs"):  # fc2: the test below
-        for _ in range(2):
-            model(x).square().sum().backward()
+    for _ in range(2):  # fc2 runs outside the graphs, under the eager policy: the test below
+        model(x).square().sum().backward()
     with torch.autocast("cpu", torch.bfloat16):
         eager(x).float().square().sum().backward()
     assert len(grads) == 3
@@ -256,15 +256,16 @@ def test_full_backward_hook_sees_the_gradients_autocast_sees(bf16, registered):
     assert relative_error(model.fc1.weight.grad / 2, eager.fc1.weight.grad) < 2e-2
 
 
-def test_a_module_with_a_full_backward_hook_runs_outside_the_graphs_and_graphamp_says_so(bf16):
-    """Dynamo does not trace a module with backward hooks (it asks for compiled autograd): fc2 runs eagerly, in
-    float32, and graphamp reports the white-list op that ran there instead of letting it pass silently."""
+def test_a_module_with_a_full_backward_hook_runs_outside_the_graphs_under_the_eager_policy(bf16):
+    """Dynamo does not trace a module with backward hooks (it asks for compiled autograd): fc2 runs eagerly, and
+    graphamp's eager policy runs its linear low by the same lists."""
     model, x = model_and_batch()
     model.fc2.register_full_backward_hook(lambda module, grad_input, grad_output: None)
     graphamp.rewrite(model, (x,), amp_lists=bf16)
-    with pytest.warns(UserWarning, match=r"ran outside graphamp's graphs.*linear x1"):
+    with CompiledCodeRecorder() as recorder:
         model(x)
     assert matmul_dtypes(model) == [torch.bfloat16]  # fc1, in the graph
+    assert [c.in_dtypes[0] for c in recorder.calls_of("addmm")] == [torch.bfloat16] * 2  # fc1 and fc2
 
 
 def test_hooks_on_a_module_and_on_a_module_inside_it_both_run_with_eagers_values(bf16):

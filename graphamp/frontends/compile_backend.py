@@ -20,6 +20,7 @@ from torch.amp.autocast_mode import is_autocast_available
 from torch.fx import GraphModule
 
 from graphamp.errors import ArgumentError, CaptureError, DoubleAmpError
+from graphamp.frontends.eager_policy import policy_lifted
 from graphamp.frontends.lowering import ModulePaths, rename_module_paths, state_placeholders, to_aten
 from graphamp.passes import run_passes
 from graphamp.passes.cast_pass import RewriteReport
@@ -81,8 +82,6 @@ class AmpBackend:
         self.inductor_options = dict(inductor_options or {})
         self.graphs: list[BackendGraph] = []
         self.graph_runs = 0  # every run of every graph: rewrite() tells a call that ran none of them
-        self.counting_depth = False  # while an eager audit watches a call (eager_audit.py) ...
-        self.graphs_running = 0  # ... how many graph runs are under way
         self._linked_optimizer = None
         self._module_paths = ModulePaths(model)
         # rewrite() checks the patterns against the model itself; compiled alone, after a whole call (below).
@@ -102,6 +101,11 @@ class AmpBackend:
     def reports(self) -> list[RewriteReport]:
         """Each rewritten graph's RewriteReport, in the order dynamo compiled them (recompiles add more)."""
         return [graph.report for graph in self.graphs]
+
+    @property
+    def linked_optimizer(self):
+        """The decorated optimizer whose loss scaling runs inside the graphs, or None."""
+        return self._linked_optimizer() if self._linked_optimizer is not None else None
 
     def link_optimizer(self, optimizer) -> None:
         """Scale gradients inside every graph by this decorated optimizer's loss scaling, so that a plain
@@ -123,6 +127,10 @@ class AmpBackend:
         self._linked_optimizer = weakref.ref(optimizer)
 
     def __call__(self, gm: GraphModule, example_inputs: list, mode: str | None = None, options: dict | None = None):
+        with policy_lifted():  # lowering and inductor trace the graph as dynamo captured it, never cast eagerly
+            return self._compile(gm, example_inputs, mode, options)
+
+    def _compile(self, gm: GraphModule, example_inputs: list, mode: str | None, options: dict | None):
         refuse_outer_autocast(example_inputs, "graphamp was asked to compile a graph")
         refuse_autocast_inside(gm)
         timings = {}
@@ -166,19 +174,11 @@ class AmpBackend:
             graph.runs += 1
             if graph.runs == 2 and not self._patterns_checked:  # a whole call has compiled all its graphs by now
                 self._warn_unmatched_patterns()
-            if not self.counting_depth:
-                return scaled_when_linked(*args)
-            self.graphs_running += 1
-            try:
-                return scaled_when_linked(*args)
-            finally:
-                self.graphs_running -= 1
-
-        def scaled_when_linked(*args):
-            optimizer = self._linked_optimizer() if self._linked_optimizer is not None else None
-            if optimizer is None or not torch.is_grad_enabled():
-                return run(*args)
-            return optimizer._run_graph(run, args)  # the loss scaling inside the graph (training/in_graph_scaling)
+            optimizer = self.linked_optimizer
+            with policy_lifted():  # the graph holds its casts: graphamp's eager policy leaves its calls alone
+                if optimizer is None or not torch.is_grad_enabled():
+                    return run(*args)
+                return optimizer._run_graph(run, args)  # the loss scaling inside the graph (training/in_graph_scaling)
 
         return call
 
@@ -228,7 +228,7 @@ class AmpBackend:
         """A pickled backend (torch.save of a compiled model) keeps its configuration; graphs and link are remade."""
         state = dict(self.__dict__)
         state.update(
-            graphs=[], graph_runs=0, counting_depth=False, graphs_running=0, _linked_optimizer=None,
+            graphs=[], graph_runs=0, _linked_optimizer=None,
             _module_paths=ModulePaths(),
         )
         return state

@@ -6,16 +6,20 @@ by the lists, inductor compiles it (or, with compile=False, the rewritten graph 
 the user's object: its class, `state_dict()` keys, hooks, `.data` writes, `generate()` and `save_pretrained` are
 its own, and copies (deepcopy, pickle, torch.save) stay converted. What graphamp keeps on it is `model._graphamp`.
 
-Where code runs outside graphamp's graphs, graphamp says so (docs/backend.md, "Outside the graphs"): a call that
-ran no graph at all (dynamo's recompile limit) warns, and the call after each new compile is audited once for
-white-list ops that ran eagerly in float32 (a module dynamo skips, code under torch.compiler.disable).
+Every call runs under graphamp's eager policy (eager_policy.py, graphamp.auto_cast): the code dynamo runs itself
+(between graphs at a graph break, skipped modules, a call past the recompile limit, a thread waiting for another's
+compile, a call after an exception) follows the same lists, and graphamp's graphs keep their own casts
+(docs/backend.md, "Outside the graphs"). A call under a TorchDispatchMode (FlopCounterMode, a memory tracker), which
+dynamo would run eagerly and then never compile again, runs the model's code under the policy, bypassing dynamo.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import functools
+import inspect
 import itertools
+import threading
 import types
 import warnings
 import weakref
@@ -27,8 +31,9 @@ from torch.nn.modules import module as module_globals
 
 from graphamp.errors import ArgumentError, GraphampError
 from graphamp.frontends.compile_backend import AmpBackend, BackendGraph, refuse_outer_autocast
-from graphamp.frontends.eager_audit import SHARED_RECOMPILE_LIMIT_HINT, TORCH_ISOLATES_RECOMPILES, EagerAudit
+from graphamp.frontends.eager_policy import EagerPolicy, ModelFacts, rules_for
 from graphamp.policy.config import AmpConfig, check_entry_arguments, check_master_weights
+from graphamp.torch_private import dispatch_mode_makes_dynamo_run_eagerly
 
 __all__ = ["AmpState", "rewrite", "rewritten_graphs", "rewritten_models"]
 
@@ -43,6 +48,7 @@ _REWRITTEN: weakref.WeakSet = weakref.WeakSet()
 # Dynamo keeps its graphs, and counts its recompile limit, per code object: shared by every rewritten model, past 8
 # models a new one would run eagerly in float32. Each model compiles a code object of its own (_fresh_call_module),
 # and where torch has it (>= 2.13) its own cache for the frames after a graph break (its class's forward code).
+TORCH_ISOLATES_RECOMPILES = "isolate_recompiles" in inspect.signature(torch.compile).parameters
 _ISOLATED_RECOMPILES = {"isolate_recompiles": True} if TORCH_ISOLATES_RECOMPILES else {}
 
 _DEPRECATED = {
@@ -112,12 +118,16 @@ def rewrite(
         "rewrite", model, example_args, example_kwargs, amp_lists, level, compile
     )
     _refuse_composable_checkpoint(model)
-    if checkpoint is not None:
-        _checkpoint_modules(model, checkpoint)
     settings = CompileSettings(compile, mode, dict(options or {}), dynamic, fullgraph)
-    AmpState(model, config, settings).install()
-    if example_args or example_kwargs:
-        _compile_ahead(model, example_args, example_kwargs)
+    converted_before = dict(model.__dict__)
+    checkpointed = _checkpoint_modules(model, checkpoint) if checkpoint is not None else []
+    try:
+        AmpState(model, config, settings).install()
+        if example_args or example_kwargs:
+            _compile_ahead(model, example_args, example_kwargs)
+    except BaseException:  # Ctrl-C included: a rewrite that did not finish leaves the model as it was
+        _undo_conversion(model, converted_before, checkpointed)
+        raise
     return model
 
 
@@ -146,26 +156,31 @@ def rewritten_models(parameters) -> list[nn.Module]:
 
 
 class AmpState:
-    """What rewrite() keeps on the model as `model._graphamp`: the config, the torch.compile settings and the
-    backend that holds the rewritten graphs and the optimizer link. Copies of the model carry it and install a
-    fresh compile of their own."""
+    """What rewrite() keeps on the model as `model._graphamp`: the config, the torch.compile settings, the backend
+    that holds the rewritten graphs and the optimizer link, and the eager policy's view of the model. Copies of the
+    model carry it and install a fresh compile of their own."""
 
     def __init__(self, model: nn.Module, config: AmpConfig, settings: CompileSettings):
         self.model = model
         self.config = config
         self.settings = settings
         self.backend: AmpBackend | None = None
-        self.audit = EagerAudit(config.lists)
+        self.rules = rules_for(config)
+        self.model_facts = ModelFacts(model, config)
         self.warned_eager_call = False
 
     def install(self) -> None:
         """Route the model's calls through torch.compile with a backend of its own (as nn.Module.compile)."""
         model = self.model
+        linked = self.backend.linked_optimizer if self.backend is not None else None
         self.backend = AmpBackend(self.config, self.settings.inductor, model=model)
+        if linked is not None:
+            self.backend.link_optimizer(linked)
         model.__dict__["_compiled_call_impl"] = _AmpCall(self)
         # Dynamo, tracing a module call, inlines torch's own `_call_impl` and would skip `_compiled_call_impl`: with
         # a `_call_impl` of its own the model is called through `__call__`, which reaches _AmpCall.
         model.__dict__["_call_impl"] = types.MethodType(_call_impl, model)
+        model.__dict__["compile"] = types.MethodType(compile, model)
         model.__dict__["_graphamp"] = self
         _REWRITTEN.add(model)
 
@@ -176,6 +191,10 @@ class AmpState:
             dynamic=self.settings.dynamic, fullgraph=self.settings.fullgraph, **_ISOLATED_RECOMPILES,
         )
 
+    def eager_policy(self) -> EagerPolicy:
+        """The lists as a runtime policy for this call (graphamp.auto_cast on this model)."""
+        return EagerPolicy(self.rules, self.model_facts)
+
     def link_optimizer(self, optimizer) -> None:
         self.backend.link_optimizer(optimizer)
 
@@ -184,17 +203,18 @@ class AmpState:
         if backend.graph_runs == graph_runs_before and not self.warned_eager_call:
             self.warned_eager_call = True
             warnings.warn(
-                f"graphamp: this call of {type(self.model).__name__} ran none of graphamp's graphs: dynamo ran it "
-                f"eagerly, in float32. The usual cause is dynamo's recompile limit "
-                f"(torch._dynamo.config.recompile_limit={torch._dynamo.config.recompile_limit}), reached by as many "
-                f"input signatures: new shapes with dynamic=False, or a Python argument taking many values. Fix: "
-                f"rewrite(..., dynamic=True) (one graph for every size), keep Python arguments fixed, or raise the "
-                f"limit; TORCH_LOGS=recompiles shows why it recompiled.{SHARED_RECOMPILE_LIMIT_HINT}",
+                f"graphamp: this call of {type(self.model).__name__} ran none of graphamp's graphs: dynamo ran its code "
+                f"eagerly, which graphamp's eager policy ran in mixed precision by the lists, at eager speed. The "
+                f"usual cause is dynamo's recompile limit (torch._dynamo.config.recompile_limit="
+                f"{torch._dynamo.config.recompile_limit}), reached by as many input signatures: new shapes with "
+                f"dynamic=False, or a Python argument taking many values; another thread compiling the model at "
+                f"the same time is the other. Fix: rewrite(..., dynamic=True) (one graph for every size), keep "
+                f"Python arguments fixed, or raise the limit; TORCH_LOGS=recompiles shows why it recompiled.",
                 stacklevel=4,
             )
         if len(backend.graphs) != compiled_before:
-            self.audit.due = True  # the next call runs the new graphs: look once at what runs outside them
             check_master_weights(self.model)  # a parameter's dtype is guarded on: `.half()` since makes new graphs
+            self.model_facts = ModelFacts(self.model, self.config)  # a module swap recompiles: see the new modules
 
     def __getstate__(self) -> dict:
         # The graphs, the compiled code and the optimizer link belong to this model; a copy compiles its own.
@@ -206,12 +226,16 @@ class AmpState:
 
 
 class _AmpCall:
-    """The model's `_compiled_call_impl`: refuses an outer autocast, runs the compiled call, notices eager calls."""
+    """The model's `_compiled_call_impl`: refuses an outer autocast, runs the compiled call under the eager policy."""
 
     def __init__(self, state: AmpState):
         self.state = state
         self.compiled = state.compiled_call()
         self.global_hooks = _global_hooks()
+        # Dynamo keeps the torch-function mode stack of the thread it compiles in a process-wide slot: a call that
+        # another thread makes meanwhile loses its modes, the eager policy with them, and runs float32. Calls of one
+        # model from several threads run one at a time.
+        self.lock = threading.RLock()
 
     # A torch.compile around the model (Trainer(torch_compile=True), Lightning's) would trace into this call and have
     # its own backend compile the model without graphamp's casts: it breaks its graph here, and this call runs.
@@ -223,25 +247,54 @@ class _AmpCall:
         refuse_outer_autocast(
             itertools.chain(args, kwargs.values()), f"{type(state.model).__name__}, rewritten by graphamp, was called"
         )
+        if dispatch_mode_makes_dynamo_run_eagerly():
+            # dynamo would run this call eagerly and then mark the compiled code skipped for every later call: the
+            # model's own code runs here, under the policy, and dynamo never sees the mode.
+            with state.eager_policy():
+                return state.model._call_impl(*args, **kwargs)
         hooks = _global_hooks()
         if hooks != self.global_hooks:  # dynamo guards no global module hook its graphs did not see: compile anew
             self.global_hooks, self.compiled = hooks, state.compiled_call()
         backend = state.backend
-        runs, compiled = backend.graph_runs, len(backend.graphs)
         try:
-            if state.audit.due:
-                with state.audit.watching(backend, type(state.model).__name__):
-                    result = self.compiled(state.model, *args, **kwargs)
-            else:
+            with self.lock, state.eager_policy():
+                runs, compiled = backend.graph_runs, len(backend.graphs)
                 result = self.compiled(state.model, *args, **kwargs)
+                state.after_call(runs, compiled)
         except torch._dynamo.exc.BackendCompilerFailed as error:
             inner = getattr(error, "inner_exception", None)
             if isinstance(inner, GraphampError):  # graphamp's own error, typed, not dynamo's wrapper of it
                 inner.__suppress_context__ = True
                 raise inner
             raise
-        state.after_call(runs, compiled)
         return result
+
+
+def compile(module: nn.Module, *args, backend="inductor", mode=None, options=None, dynamic=None, fullgraph=False,
+            **kwargs) -> None:
+    """`model.compile(...)` on a rewritten model: graphamp stays, and its graphs are compiled by inductor with
+    torch.compile's mode, options, dynamic and fullgraph (rewrite(..., compile=True) on the same lists). Named as the
+    attribute it is bound to (pickle saves a bound method by its name)."""
+    state = module._graphamp
+    if args or kwargs or backend not in ("inductor", "graphamp"):
+        raise ArgumentError(
+            f"{type(module).__name__} was rewritten by graphamp: its calls already run through torch.compile with "
+            f"graphamp's backend, and model.compile(backend={backend!r}) would replace it with a compile that knows "
+            f"nothing of graphamp's lists. Fix: model.compile() or model.compile(mode=..., options=...) compiles "
+            f"graphamp's graphs with inductor; for another backend, compile a model that was not rewritten."
+        )
+    options = dict(options or {})
+    if any(key in options for key in _GRAPHAMP_OPTIONS):
+        raise ArgumentError(
+            f"model.compile(options=...) got graphamp's list options ({', '.join(k for k in options if k in _GRAPHAMP_OPTIONS)}) "
+            f"on a model rewritten with its own lists: rewrite a fresh FP32 model to change its lists."
+        )
+    state.settings = CompileSettings(True, mode, options, dynamic, fullgraph)
+    state.install()
+
+
+_GRAPHAMP_OPTIONS = ("amp_lists", "dtype", "level", "custom_white_list", "custom_black_list", "custom_gray_list",
+                     "custom_black_modules", "lists_dir")
 
 
 def _call_impl(module: nn.Module, *args, **kwargs):
@@ -272,20 +325,58 @@ def _fresh_call_module():
 
 
 def _compile_ahead(model: nn.Module, args: tuple, kwargs: dict) -> None:
-    """One call on the examples, so that dynamo and graphamp capture now; buffers and random state restored."""
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    """One call on the examples, so that dynamo and graphamp capture now; buffers (written in place or reassigned)
+    and random state restored. An example the model's own FP32 code cannot run is an ArgumentError."""
+    buffers = [(module, name, buffer, buffer.detach().clone())
+               for module in model.modules() for name, buffer in module._buffers.items() if buffer is not None]
     cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-    with torch.random.fork_rng(devices=[]):
-        model(*args, **kwargs)
-    if cuda_states is not None:
-        torch.cuda.set_rng_state_all(cuda_states)
-    with torch.no_grad():
-        for buffer, saved in buffers:
-            buffer.copy_(saved)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            model(*args, **kwargs)
+    except Exception as error:
+        _refuse_examples_that_do_not_fit(model, args, kwargs, error)
+        raise
+    finally:
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+        with torch.no_grad():
+            for module, name, buffer, saved in buffers:
+                module._buffers[name] = buffer  # a forward that reassigns a buffer (self.steps = self.steps + 1)
+                buffer.copy_(saved)
 
 
-def _checkpoint_modules(model: nn.Module, pattern: str) -> None:
-    """torch.utils.checkpoint around the forward of every submodule matching `pattern` (kept through copies)."""
+def _refuse_examples_that_do_not_fit(model: nn.Module, args: tuple, kwargs: dict, error: Exception) -> None:
+    """After the compiled call failed: if the model's own FP32 code fails on the examples too, the examples are at
+    fault, not a construct dynamo or graphamp cannot capture."""
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            model._call_impl(*args, **kwargs)
+    except Exception as eager_error:
+        raise ArgumentError(
+            f"rewrite()'s example inputs do not fit {type(model).__name__}: its own FP32 code raises on them "
+            f"({type(eager_error).__name__}: {str(eager_error).splitlines()[0] if str(eager_error) else ''}). "
+            f"Fix: pass example_args/example_kwargs as one training call would (the model's forward signature)."
+        ) from eager_error
+
+
+def _undo_conversion(model: nn.Module, before: dict, checkpointed: list[tuple[nn.Module, object]]) -> None:
+    """Put back what rewrite() set on the model (its call, `compile`, `_graphamp`, checkpointed forwards)."""
+    for name in ("_compiled_call_impl", "_call_impl", "compile", "_graphamp"):
+        if name in before:
+            model.__dict__[name] = before[name]
+        else:
+            model.__dict__.pop(name, None)
+    for module, forward in checkpointed:
+        if forward is None:
+            module.__dict__.pop("forward", None)
+        else:
+            module.forward = forward
+    _REWRITTEN.discard(model)
+
+
+def _checkpoint_modules(model: nn.Module, pattern: str) -> list[tuple[nn.Module, object]]:
+    """torch.utils.checkpoint around the forward of every submodule matching `pattern` (kept through copies);
+    returns each module with the instance forward it had (None if its class's)."""
     from torch.utils.checkpoint import checkpoint
 
     matched = [name for name, _ in model.named_modules() if name and fnmatch.fnmatchcase(name, pattern)]
@@ -298,10 +389,13 @@ def _checkpoint_modules(model: nn.Module, pattern: str) -> None:
     # The outermost matches only: fnmatch's * crosses dots, so "transformer.h.*" also matches every module inside
     # a block, and a checkpoint inside a checkpoint recomputes twice for nothing.
     outermost = [name for name in matched if not any(name.startswith(outer + ".") for outer in matched)]
+    checkpointed = []
     for name in outermost:
         module = model.get_submodule(name)
+        checkpointed.append((module, module.__dict__.get("forward")))
         # module.forward, not the class's: an instance forward (accelerate's hooks set one) stays inside.
         module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False)
+    return checkpointed
 
 
 def _refuse_composable_checkpoint(model: nn.Module) -> None:

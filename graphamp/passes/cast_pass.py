@@ -31,6 +31,7 @@ from graphamp.policy.aten_ops import (
     FP32_ACCUMULATING_OPS, MODEL_CAST_OPS, NORM_OPS, RESHAPE_OPS, TRACE_ASSERTS, VIEW_OPS, argument_value,
     has_explicit_float_dtype, norm_parameter_inputs, set_argument, written_inputs,
 )
+from graphamp.policy.cast_rule import cast_target
 from graphamp.policy.config import AmpConfig, is_normalization_module
 from graphamp.policy.dtypes import HALF_DTYPES, dtype_name
 from graphamp.policy.kernel_support import runs_low_on
@@ -179,16 +180,9 @@ class _CastPass:
         return entry.color, entry.source
 
     def _target_dtype(self, decision: str, floats: list[Node]) -> torch.dtype | None:
-        """The dtype the op's floating inputs are cast to, or None when they are left as they are."""
-        if decision == WHITE or (self.level == "O2" and decision in (GRAY, Decision.UNLISTED)):
-            return self.low
-        if decision == BLACK:
-            return torch.float32
-        if decision in (GRAY, Decision.UNLISTED) and floats:
-            # 0-dim tensors do not decide, as in torch's type promotion (x * scale stays low).
-            deciding = [n for n in floats if n.meta["val"].dim() > 0] or floats
-            return self.low if all(node_dtype(n) == self.low for n in deciding) else torch.float32
-        return None
+        """The dtype the op's floating inputs are cast to (policy/cast_rule.py), or None to leave them."""
+        deciding = [n for n in floats if n.meta["val"].dim() > 0] or floats
+        return cast_target(decision, self.level, self.low, [node_dtype(n) for n in deciding])
 
     # -- visiting ------------------------------------------------------------------------------------------
     def _visit_op(self, node: Node) -> None:

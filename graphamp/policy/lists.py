@@ -326,6 +326,19 @@ class AutoMixedPrecisionLists:
         """The entry deciding an OpOverload (overload entry before packet entry), or None if unlisted."""
         return next((self._entries[key] for key in op_lookup_keys(op) if key in self._entries), None)
 
+    def classify_packet(self, name: str) -> ListEntry | None:
+        """The entry deciding an op known only by its packet name ('add', 'mylib::op'), as a torch call names it:
+        the packet's entry, else its overloads' entries where they all agree on the color; None if unlisted."""
+        entry = self._entries.get(name)
+        if entry is not None:
+            return entry
+        overloads = [e for key, e in self._entries.items() if key.startswith(name + ".")]
+        return overloads[0] if overloads and len({e.color for e in overloads}) == 1 else None
+
+    def promotes_packet(self, name: str) -> bool:
+        """promotes(), for an op known only by its packet name."""
+        return name in self.promote_ops or any(key.startswith(name + ".") for key in self.promote_ops)
+
     def promotes(self, op) -> bool:
         """Whether mixed floating inputs of this OpOverload are cast to the widest of them (promote.txt)."""
         return any(key in self.promote_ops for key in op_lookup_keys(op))

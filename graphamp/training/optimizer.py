@@ -218,8 +218,7 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
         self.__dict__.update(state)
         # A copy taken with its model (model first) trains that copy with in-graph scaling, as the original did.
         for rewritten in rewritten_models(p for group in self.param_groups for p in group["params"]):
-            linked = rewritten._graphamp.backend._linked_optimizer
-            if linked is None or linked() is None:
+            if rewritten._graphamp.backend.linked_optimizer is None:
                 rewritten._graphamp.link_optimizer(self)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -1,0 +1,491 @@
+"""graphamp.auto_cast(): the lists as a runtime policy for code that runs eagerly, beside the cast pass.
+
+Paddle keeps its dygraph `auto_cast(custom_white_list=..., custom_black_list=..., level=...)` beside the static
+`rewrite_program`, one AutoMixedPrecisionLists for both. Here the static side is the cast pass on every graph
+torch.compile or torch.export hands graphamp; this is the eager side: a TorchFunctionMode that sees each torch
+call the model's Python code makes (F.linear, torch.matmul, Tensor.__add__, ...), names the ATen op it is, and
+casts its floating inputs by the same rule (policy/cast_rule.py): white low, black float32, gray and unlisted
+follow their inputs, O2 all but black low, the model's own casts and its `torch.autocast(enabled=False)` regions
+kept, black-module patterns by the module the call runs in. It works above autograd, as torch.autocast's kernels do,
+so the casts are differentiable and the FP32 parameters stay the master weights.
+
+Under torch.compile the mode does nothing while dynamo traces (the cast pass rewrites what it captures) and is
+lifted while graphamp's graphs run, so no value is cast twice; what dynamo runs itself (code between graphs at a
+graph break, skipped modules, a call past the recompile limit, a thread waiting for a compile, a call under a
+dispatch mode) runs under it. rewrite() enters it around every call of the converted model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import types
+import warnings
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch._ops import OpOverload, OpOverloadPacket
+from torch.overrides import TorchFunctionMode
+
+from graphamp.errors import ArgumentError, DoubleAmpError
+from graphamp.policy.aten_ops import FP32_ACCUMULATING_OPS, NORM_OPS
+from graphamp.policy.cast_rule import cast_target
+from graphamp.policy.config import AmpConfig, check_level, is_normalization_module
+from graphamp.policy.dtypes import HALF_DTYPES
+from graphamp.policy.kernel_support import runs_low_on
+from graphamp.policy.lists import BLACK, GRAY, WHITE, AutoMixedPrecisionLists, Decision
+from graphamp.torch_private import dynamo_traces_this_thread, never_a_frame_of_its_own, tracing_on_fake_tensors
+
+__all__ = ["EagerPolicy", "ModelFacts", "auto_cast", "policy_lifted", "rules_for"]
+
+# Torch calls that name no op the lists decide, or that only read or reshape what they get: never cast.
+_LEFT_ALONE = frozenset({
+    "__get__", "__set__", "__getitem__", "__setitem__", "__len__", "__iter__", "__repr__", "__format__", "__bool__",
+    "__contains__", "__hash__", "__eq__", "__ne__", "size", "dim", "numel", "stride", "storage_offset", "item",
+    "tolist", "is_floating_point", "is_complex", "is_contiguous", "data_ptr", "element_size", "backward",
+    "requires_grad_", "retain_grad", "register_hook", "detach", "detach_", "clone", "contiguous", "view", "reshape",
+    "view_as", "reshape_as", "flatten", "unflatten", "squeeze", "unsqueeze", "permute", "transpose", "t", "expand",
+    "expand_as", "narrow", "select", "slice", "split", "chunk", "unbind", "movedim", "as_strided", "unfold",
+    "copy_", "zero_", "fill_", "normal_", "uniform_", "cpu", "cuda",
+})
+# The model's own casts: kept as written, as the cast pass keeps them.
+_MODEL_CASTS = frozenset({"to", "_to_copy", "type", "type_as", "float", "half", "bfloat16", "double"})
+# Python operators as the ATen ops they run (the reflected and in-place forms are derived from these).
+_OPERATOR_OPS = {"truediv": "div", "div": "div", "floordiv": "floor_divide", "mod": "remainder"}
+# Python functions of these modules whose name is no ATen op are followed inside (F.cross_entropy,
+# F.interpolate): the ATen ops they call are decided, as the cast pass decides them after tracing.
+_FOLLOWED_MODULES = ("torch.nn.functional", "torch.functional")
+_FOLLOW = object()
+
+
+@dataclass(frozen=True)
+class _Rule:
+    """What the lists say of one torch callable."""
+
+    decision: str  # a Decision
+    source: str
+    op: str  # the ATen op (packet) name
+    writes_first: bool  # an in-place op (add_): its first argument is written, never cast
+    norm: bool  # a normalization: only its first tensor is data, the rest are FP32 parameters
+    dtype_argument: bool  # a black op that computes in float32 inside when passed dtype=float32 (softmax, sum)
+    promotes: bool  # promote.txt: mixed inputs are cast to the widest
+
+
+class _Rules:
+    """The rules of one AmpConfig, per torch callable, computed once and shared by every call and thread."""
+
+    def __init__(self, config: AmpConfig):
+        self.config = config
+        self.by_function: dict = {}
+        self.promotion: dict = {}  # (function, input dtypes) -> whether torch's promotion already runs it in FP32
+
+    def rule_for(self, function):
+        rule = self.by_function.get(function)
+        if rule is None:
+            rule = self.by_function[function] = self._rule(function)
+        return rule
+
+    def _rule(self, function):
+        name = _op_name(function)
+        if name is None:
+            module = getattr(function, "__module__", None)
+            return _FOLLOW if isinstance(function, types.FunctionType) and module in _FOLLOWED_MODULES else None
+        if name in _LEFT_ALONE or name in _MODEL_CASTS:
+            return None
+        lists = self.config.lists
+        entry = lists.classify_packet(name)
+        decision, source = (entry.color, entry.source) if entry is not None else (Decision.UNLISTED, "")
+        packet = _aten_packet(name)
+        dtype_argument = decision == BLACK and packet is not None and any(
+            argument.name == "dtype" for schema in _schemas(packet) for argument in schema.arguments
+        )
+        writes_first = name.endswith("_") and not name.startswith("_")
+        return _Rule(decision, source, name, writes_first, name in NORM_OPS, dtype_argument, lists.promotes_packet(name))
+
+
+def _op_name(function) -> str | None:
+    """The ATen op (packet) name of a torch callable, or None if it is no op: `__radd__` is 'add', `__iadd__`
+    'add_', torch._C._nn.linear 'linear', torch.ops.mylib.op 'mylib::op'."""
+    if isinstance(function, (OpOverload, OpOverloadPacket)):
+        namespace, _, name = (function._schema.name if isinstance(function, OpOverload) else function._qualified_op_name
+                              ).partition("::")
+        return name if namespace == "aten" else f"{namespace}::{name}"
+    name = getattr(function, "__name__", None)
+    if not isinstance(name, str):
+        return None
+    if name.startswith("__") and name.endswith("__") and name != "__get__":
+        base = name[2:-2]
+        in_place = base.startswith("i") and _operator_op(base[1:]) is not None
+        if in_place:
+            return _operator_op(base[1:]) + "_"
+        if base.startswith("r") and base != "rsub" and _operator_op(base[1:]) is not None:
+            return _operator_op(base[1:])
+        return _operator_op(base) or name
+    return name if _aten_packet(name) is not None else None
+
+
+def _operator_op(name: str) -> str | None:
+    name = _OPERATOR_OPS.get(name, name)
+    return name if _aten_packet(name) is not None else None
+
+
+def _aten_packet(name: str):
+    if "::" in name:
+        namespace, _, op = name.partition("::")
+        return getattr(getattr(torch.ops, namespace, None), op, None) if hasattr(torch.ops, namespace) else None
+    return getattr(torch.ops.aten, name, None) if not name.startswith("__") else None
+
+
+def _schemas(packet) -> list:
+    return [getattr(packet, overload)._schema for overload in packet.overloads()]
+
+
+class EagerPolicy(TorchFunctionMode):
+    """The mode auto_cast() enters: casts the floating inputs of each torch call by the lists (see the module's
+    docstring). One per context; the rules are shared."""
+
+    def __init__(self, rules: _Rules, model_facts: ModelFacts | None = None, enabled: bool = True):
+        super().__init__()
+        self._rules = rules
+        self.low = rules.config.dtype
+        self.level = rules.config.level
+        self.enabled = enabled
+        self._model = model_facts or ModelFacts()
+        self._weight_casts: dict[int, tuple] = {}  # as torch.autocast caches a weight's cast for its context
+        self._autocast_nesting = 0
+
+    def __enter__(self):
+        if not self.enabled:
+            return self
+        _refuse_enabled_autocast()
+        self._autocast_nesting = _autocast_nesting()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if not self.enabled:
+            return False
+        self._weight_casts.clear()
+        return super().__exit__(*exc)
+
+    @never_a_frame_of_its_own
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        # While dynamo traces, the cast pass decides what it captures; checked before any state is read, so that
+        # dynamo inlines nothing of this mode but the call.
+        if torch.compiler.is_compiling() and dynamo_traces_this_thread():
+            return func(*args, **kwargs)
+        if _lifted.depth or tracing_on_fake_tensors():
+            return func(*args, **kwargs)
+        rule = self._rules.rule_for(func)
+        if rule is None:
+            return func(*args, **kwargs)
+        if rule is _FOLLOW:
+            return self._follow(func, args, kwargs)
+        if _autocast_nesting() != self._autocast_nesting and self._in_autocast_region(args):
+            return func(*args, **kwargs)  # the model's torch.autocast(enabled=False) region: as written
+        decision, source = rule.decision, rule.source
+        if self._model.black_modules:
+            pattern = self._model.black_module_running()
+            if pattern is not None:
+                decision, source = BLACK, pattern
+        if "dtype" in kwargs and isinstance(kwargs["dtype"], torch.dtype) and kwargs["dtype"].is_floating_point:
+            return func(*args, **kwargs)  # softmax(x, dtype=torch.float32): the model chose the dtype
+        out = kwargs.get("out")
+        if isinstance(out, torch.Tensor) and decision in (WHITE, BLACK):
+            # torch.mm(a, b, out=buffer): the op runs in its listed dtype, as it would in a graph (where out= is a
+            # copy into the buffer), and the buffer keeps the dtype the code gave it.
+            args, kwargs = self._cast_inputs(func, rule, decision, args, {k: v for k, v in kwargs.items() if k != "out"})
+            return out.copy_(func(*args, **kwargs))
+        args, kwargs = self._cast_inputs(func, rule, decision, args, kwargs)
+        return func(*args, **kwargs)
+
+    # -- deciding --------------------------------------------------------------------------------------------
+    def _cast_inputs(self, func, rule: _Rule, decision: str, args, kwargs):
+        floats = _floating_inputs(args, kwargs, rule)
+        if not floats:
+            return args, kwargs
+        deciding = [t for t in floats if t.dim() > 0] or floats
+        target = cast_target(decision, self.level, self.low, [t.dtype for t in deciding])
+        if target is None:
+            return args, kwargs
+        follows_inputs = decision in (GRAY, Decision.UNLISTED)
+        if target == torch.float32 and follows_inputs and not rule.promotes and self._promotes_to_fp32(func, args,
+                                                                                                       kwargs):
+            return args, kwargs  # add(bf16, fp32) computes in FP32 inside the kernel: a cast would only cost
+        if target == self.low and rule.norm and not runs_low_on(rule.op, floats[0].device, self.low):
+            target = torch.float32  # this device's norm kernel wants X in its parameters' dtype
+        if target == torch.float32 and decision == BLACK:
+            low = [t for t in floats if t.dtype in HALF_DTYPES]
+            if not low:
+                return args, kwargs
+            if rule.dtype_argument and "dtype" not in kwargs:
+                return args, {**kwargs, "dtype": torch.float32}  # the kernel reads low X and computes in float32
+            if rule.op in NORM_OPS and rule.op in FP32_ACCUMULATING_OPS:
+                return args, kwargs
+        skip = self._model.kept_fp32 if target == self.low else ()
+        cast = self._caster(target, skip)
+        return _map_inputs(args, kwargs, rule, cast)
+
+    def _caster(self, target: torch.dtype, kept: set):
+        low_target = target in HALF_DTYPES
+
+        def cast(tensor: torch.Tensor) -> torch.Tensor:
+            dtype = tensor.dtype
+            if dtype == target or not dtype.is_floating_point or dtype == torch.float64:
+                return tensor
+            if low_target and (dtype != torch.float32 or id(tensor) in kept):
+                return tensor  # only float32 is cast down, as torch.autocast does; O2's norm parameters stay
+            if tensor.is_leaf and tensor.requires_grad:  # a weight: cast once per context, as torch.autocast
+                cached = self._weight_casts.get(id(tensor))
+                if cached is not None and cached[0] is tensor and cached[1] == (tensor._version, target):
+                    return cached[2]
+                result = tensor.to(target)
+                self._weight_casts[id(tensor)] = (tensor, (tensor._version, target), result)
+                return result
+            return tensor.to(target)
+
+        return cast
+
+    def _promotes_to_fp32(self, func, args, kwargs) -> bool:
+        """Whether torch's type promotion runs this call in FP32 on its mixed inputs as they are (asked once per
+        function and input dtypes, on meta tensors)."""
+        key = (func, tuple(t.dtype for t in _all_tensors(args, kwargs)))
+        known = self._rules.promotion.get(key)
+        if known is None:
+            known = self._rules.promotion[key] = _promotes_on_meta(func, args, kwargs)
+        return known
+
+    def _in_autocast_region(self, args) -> bool:
+        """Inside a torch.autocast region the model's code entered: disabled, its ops run as written; enabled
+        (accelerate's mixed_precision wraps forward in one), two AMP systems: refused as the cast pass refuses it."""
+        devices = {t.device.type for t in _all_tensors(args, {})} or {"cpu"}
+        if any(torch.amp.autocast_mode.is_autocast_available(d) and torch.is_autocast_enabled(d) for d in devices):
+            raise DoubleAmpError(
+                "the model's code turns torch.autocast on inside graphamp's policy: two AMP systems are on, and "
+                "autocast would override graphamp's lists. Turn one off: with accelerate, Accelerator("
+                "mixed_precision='no'); with the HF Trainer (or TRL's configs), bf16=False and fp16=False; or drop "
+                "the model's own torch.autocast."
+            )
+        return True
+
+    # -- following Python functions ----------------------------------------------------------------------------
+    def _follow(self, func, args, kwargs):
+        """Run a torch.nn.functional Python function (F.cross_entropy) with this policy deciding its ATen calls:
+        a copy of it whose torch-function checks are off, so that its body runs instead of dispatching here."""
+        TorchFunctionMode.__enter__(self)  # pushed again for the body; the context's own state stays
+        try:
+            return _unchecked(func)(*args, **kwargs)
+        finally:
+            TorchFunctionMode.__exit__(self, None, None, None)
+
+
+def _unchecked_globals(module_globals: dict) -> dict:
+    patched = dict(module_globals)
+    for name in ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic"):
+        if name in patched:
+            patched[name] = _never
+    return patched
+
+
+def _never(*_args) -> bool:
+    return False
+
+
+_UNCHECKED: dict = {}
+_UNCHECKED_GLOBALS: dict = {}
+
+
+def _unchecked(function: types.FunctionType) -> types.FunctionType:
+    copy = _UNCHECKED.get(function)
+    if copy is None:
+        module = function.__module__
+        namespace = _UNCHECKED_GLOBALS.get(module)
+        if namespace is None:
+            namespace = _UNCHECKED_GLOBALS[module] = _unchecked_globals(function.__globals__)
+        copy = types.FunctionType(function.__code__, namespace, function.__name__, function.__defaults__,
+                                  function.__closure__)
+        copy.__kwdefaults__ = function.__kwdefaults__
+        _UNCHECKED[function] = copy
+    return copy
+
+
+# -- inputs -----------------------------------------------------------------------------------------------------
+def _all_tensors(args, kwargs):
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            yield from (v for v in value if isinstance(v, torch.Tensor))
+
+
+def _floating_inputs(args, kwargs, rule: _Rule) -> list[torch.Tensor]:
+    """The floating tensors that decide and get cast: not an in-place op's target, an `out=`, or a norm's
+    parameters."""
+    tensors = [t for t in _all_tensors(args, {k: v for k, v in kwargs.items() if k != "out"})
+               if t.dtype.is_floating_point]
+    if rule.writes_first and args and isinstance(args[0], torch.Tensor):
+        tensors = [t for t in tensors if t is not args[0]]
+    if rule.norm:
+        return tensors[:1]
+    return tensors
+
+
+def _map_inputs(args, kwargs, rule: _Rule, cast):
+    first = args[0] if rule.writes_first and args else None
+    data = None
+    if rule.norm:
+        data = next(iter(_all_tensors(args, kwargs)), None)
+
+    def one(value):
+        if isinstance(value, torch.Tensor):
+            if value is first or not value.dtype.is_floating_point or (rule.norm and value is not data):
+                return value
+            return cast(value)
+        if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+            return type(value)(one(v) for v in value)
+        return value
+
+    return tuple(one(a) for a in args), {k: (v if k == "out" else one(v)) for k, v in kwargs.items()}
+
+
+def _promotes_on_meta(func, args, kwargs) -> bool:
+    def meta(value):
+        if isinstance(value, torch.Tensor):
+            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
+        if isinstance(value, (list, tuple)):
+            return type(value)(meta(v) for v in value)
+        return value
+
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            result = func(*(meta(a) for a in args), **{k: meta(v) for k, v in kwargs.items()})
+    except Exception:  # the op wants matching dtypes: cast explicitly
+        return False
+    results = result if isinstance(result, (list, tuple)) else (result,)
+    floats = [t for t in results if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return bool(floats) and all(t.dtype == torch.float32 for t in floats)
+
+
+def _autocast_nesting() -> int:
+    """How many torch.autocast regions are open on this thread (read through the public increment/decrement)."""
+    torch.autocast_increment_nesting()
+    return torch.autocast_decrement_nesting()
+
+
+# -- the model ----------------------------------------------------------------------------------------------------
+class ModelFacts:
+    """What the policy needs of the model the code runs: the modules black-module patterns keep FP32 (with the
+    code of their forward, to find them on the stack) and, under O2, the normalization parameters."""
+
+    def __init__(self, model: torch.nn.Module | None = None, config: AmpConfig | None = None):
+        self.black_modules: dict[int, str] = {}  # id(module) -> the pattern's source
+        self.black_codes: set = set()
+        self.kept_fp32: set[int] = set()
+        if model is None:
+            return
+        if config.lists.black_modules:
+            for path, module in model.named_modules(remove_duplicate=False):
+                pattern = config.lists.black_module_for(path)
+                if pattern is not None:
+                    self.black_modules[id(module)] = pattern.source
+                    forward = module.forward
+                    self.black_codes.add(getattr(getattr(forward, "__func__", forward), "__code__", None))
+        if config.level == "O2":
+            self.kept_fp32 = {
+                id(parameter)
+                for module in model.modules() if is_normalization_module(type(module))
+                for parameter in module.parameters(recurse=False)
+            }
+
+    def black_module_running(self) -> str | None:
+        """The black-module pattern of the innermost listed module whose forward is on the stack, if any."""
+        frame = sys._getframe(2)
+        while frame is not None:
+            if frame.f_code in self.black_codes:
+                source = self.black_modules.get(id(frame.f_locals.get("self")))
+                if source is not None:
+                    return source
+            frame = frame.f_back
+        return None
+
+
+def _refuse_enabled_autocast() -> None:
+    for device in ("cpu", "cuda"):
+        if torch.amp.autocast_mode.is_autocast_available(device) and torch.is_autocast_enabled(device):
+            raise DoubleAmpError(
+                f"graphamp's policy was entered inside an active torch.autocast region on {device}: two AMP systems "
+                "are on, and autocast would override graphamp's lists. Turn one off: drop the torch.autocast context "
+                "(with accelerate, Accelerator(mixed_precision='no'); with Lightning, precision='32-true'; with the "
+                "HF Trainer, bf16=False and fp16=False), or train under autocast without graphamp."
+            )
+
+
+# -- graphamp's graphs --------------------------------------------------------------------------------------------
+class _Lifted(threading.local):
+    depth = 0
+
+
+_lifted = _Lifted()
+
+
+@contextlib.contextmanager
+def policy_lifted():
+    """While graphamp's own graphs run: their casts are in them, the policy leaves their torch calls alone."""
+    _lifted.depth += 1
+    try:
+        yield
+    finally:
+        _lifted.depth -= 1
+
+
+def auto_cast(amp_lists: AutoMixedPrecisionLists | None = None, level: str = "O1", enabled: bool = True, *,
+              model: torch.nn.Module | None = None) -> EagerPolicy:
+    """Run the code inside in mixed precision by graphamp's lists, eagerly (Paddle's dygraph `auto_cast`).
+
+    `with graphamp.auto_cast(lists): loss = model(x)` decides each torch call as the cast pass decides the same op
+    in a graph: white ops in the lists' dtype, black ops in float32, gray ops follow their floating inputs; the
+    model's own casts and `torch.autocast(enabled=False)` regions stay as written. Parameters stay FP32 (the
+    master weights); their casts are made once per context, as torch.autocast's. Around a torch.compile'd call,
+    graphamp's graphs keep their own casts and the code dynamo runs eagerly follows the lists.
+
+    Args:
+        amp_lists: the lists and dtype (default: the shipped lists in float16).
+        level: "O1" (the lists decide) or "O2" (all but black ops run low; normalization parameters stay FP32,
+            which needs `model`).
+        enabled: False runs the code inside as written (as torch.autocast(enabled=False)).
+        model: the model the code runs, for black-module patterns (module paths are its own) and O2's
+            normalization parameters.
+
+    Returns:
+        The context manager (a TorchFunctionMode).
+    """
+    if amp_lists is not None and not isinstance(amp_lists, AutoMixedPrecisionLists):
+        raise ArgumentError(
+            f"auto_cast(amp_lists=...) got a {type(amp_lists).__name__}; pass graphamp.AutoMixedPrecisionLists(...)."
+        )
+    if not isinstance(enabled, bool):
+        raise ArgumentError(f"auto_cast(enabled={enabled!r}): pass True or False.")
+    check_level(level)
+    config = AmpConfig(amp_lists if amp_lists is not None else AutoMixedPrecisionLists(), level)
+    if model is None and config.lists.black_modules:
+        warnings.warn(
+            f"auto_cast(): the lists' black-module patterns ({', '.join(p.name for p in config.lists.black_modules)}) "
+            f"apply only with auto_cast(..., model=model), whose module paths they name; without it those modules "
+            f"follow the op lists.",
+            stacklevel=2,
+        )
+    return EagerPolicy(rules_for(config), ModelFacts(model, config) if model is not None else None, enabled)
+
+
+_RULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def rules_for(config: AmpConfig) -> _Rules:
+    """The rules of one config, shared by every policy made of it while the config lives (an AmpConfig is frozen)."""
+    found = _RULES.get(config)
+    if found is None:
+        found = _RULES[config] = _Rules(config)
+    return found

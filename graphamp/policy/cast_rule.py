@@ -1,0 +1,34 @@
+"""The lists' rule, written once: which dtype an op's floating inputs are cast to, given its decision.
+
+The cast pass applies it to graph nodes, the eager policy (graphamp.auto_cast) to torch calls as they run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from graphamp.policy.lists import BLACK, GRAY, WHITE, Decision
+
+__all__ = ["cast_target"]
+
+_FOLLOWS_INPUTS = (GRAY, Decision.UNLISTED)
+
+
+def cast_target(decision: str, level: str, low: torch.dtype, deciding: list[torch.dtype]) -> torch.dtype | None:
+    """The dtype the op's floating inputs are cast to, or None when they are left as they are.
+
+    Args:
+        decision: the op's Decision (white, black, gray, unlisted; any other leaves the inputs alone).
+        level: "O1" or "O2" (O2 runs gray and unlisted ops low too).
+        low: the lists' low-precision dtype.
+        deciding: the dtypes of the floating inputs that decide a gray op (its 0-dim tensors do not, as in torch's
+            type promotion, unless it has no other).
+    """
+    if decision == WHITE or (level == "O2" and decision in _FOLLOWS_INPUTS):
+        return low
+    if decision == BLACK:
+        return torch.float32
+    if decision in _FOLLOWS_INPUTS and deciding:
+        # Paddle's gray rule: low when every floating input is low, else float32.
+        return low if all(dtype == low for dtype in deciding) else torch.float32
+    return None

@@ -1,0 +1,315 @@
+"""graphamp.auto_cast: the lists as a runtime policy, and a rewritten model's code that dynamo runs itself.
+
+Every dtype here is the one a kernel ran in (a dispatch mode records them), against the cast pass on the same model
+or against torch.autocast.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+import graphamp
+import models
+from conftest import CompiledCodeRecorder, FrontEnd
+from graphamp.inspection.recording import DtypeRecorder
+
+# The kernels the lists decide and a dtype shows: GEMMs, convolutions, attention, recurrent cells (white); the loss
+# and log-softmax (black).
+DECIDED_KERNELS = {
+    "mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_flash_attention_for_cpu",
+    "_thnn_fused_lstm_cell", "mkldnn_rnn_layer", "_log_softmax", "nll_loss_forward",
+}
+
+
+def decided_kernels(recorder: DtypeRecorder) -> Counter:
+    """(op, dtypes of its first three floating inputs) of each decided kernel that ran: an attention mask the
+    compiled HF code builds and the eager code leaves to is_causal is not a decision of graphamp's."""
+    return Counter(
+        (call.op, tuple(d for d in call.in_dtypes if d.is_floating_point)[:3])
+        for call in recorder.calls if call.op in DECIDED_KERNELS
+    )
+
+
+def low_and_fp32(recorder: DtypeRecorder, ops=("addmm", "mm")) -> tuple[int, int]:
+    """How many of these GEMM kernels ran in bfloat16 and how many in float32."""
+    calls = recorder.calls_of(*ops)
+    low = sum(all(d == torch.bfloat16 for d in c.in_dtypes if d.is_floating_point) for c in calls)
+    return low, len(calls) - low
+
+
+MODEL_SET = {
+    "gpt2": (models.gpt2, lambda: ((models.token_batch(),), {})),
+    "bert": (models.bert, lambda: ((models.token_batch(),), {})),
+    "llama": (models.llama, lambda: ((models.token_batch(),), {})),
+    "resnet": (models.SmallResNet, lambda: ((torch.randn(2, 1, 8, 8),), {})),
+    "lstm": (models.LSTMClassifier, lambda: ((models.token_batch(),), {})),
+    "custom_op": (models.CustomOpModel, lambda: ((torch.randn(4, 8),), {})),
+    "blocks": (models.BlockStack, lambda: ((models.token_batch(), models.token_batch()), {})),
+}
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+@pytest.mark.parametrize("name", sorted(MODEL_SET))
+def test_auto_cast_decides_like_the_cast_pass(bf16, name, level, request):
+    if name == "lstm" and level == "O2":
+        request.applymarker(pytest.mark.xfail(
+            strict=True, raises=ValueError,
+            reason="nn.LSTM's Python forward refuses an input of another dtype than its weights before any op runs; "
+                   "O2 casts the embedding's output low (docs/auto_cast.md)"))
+    make, example = MODEL_SET[name]
+    torch.manual_seed(0)
+    model = make().eval()
+    args, kwargs = example()
+    eager = copy.deepcopy(model)
+    with CompiledCodeRecorder() as by_policy, graphamp.auto_cast(bf16, level, model=eager):
+        eager(*args, **kwargs)
+    FrontEnd("compile").convert(model, args, kwargs, amp_lists=bf16, level=level)
+    with CompiledCodeRecorder() as by_pass:
+        model(*args, **kwargs)
+    assert decided_kernels(by_policy) == decided_kernels(by_pass)
+    assert any(torch.bfloat16 in dtypes for _, dtypes in decided_kernels(by_policy))
+
+
+class Head(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Linear(16, 32), nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.body(x)))
+
+
+def test_auto_cast_trains_like_torch_autocast(bf16):
+    torch.manual_seed(0)
+    ours, theirs = Head(), Head()
+    theirs.load_state_dict(ours.state_dict())
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    with graphamp.auto_cast(bf16):
+        loss = F.cross_entropy(ours(x), y)
+    loss.backward()
+    with torch.autocast("cpu", torch.bfloat16):
+        reference = F.cross_entropy(theirs(x), y)
+    reference.backward()
+    assert loss.dtype == reference.dtype == torch.float32
+    torch.testing.assert_close(loss, reference)
+    for mine, autocasts in zip(ours.parameters(), theirs.parameters()):
+        assert mine.dtype == mine.grad.dtype == torch.float32
+        torch.testing.assert_close(mine.grad, autocasts.grad)
+
+
+def test_auto_cast_keeps_custom_black_ops_and_the_models_fp32_regions(bf16):
+    lists = bf16.with_changes(black=["linear"])
+
+    class Regions(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            with torch.autocast("cpu", enabled=False):
+                kept = self.a(x)
+            return self.b(x) @ kept.t()
+
+    with DtypeRecorder() as recorder, graphamp.auto_cast(lists):
+        Regions()(torch.randn(4, 8))
+    assert [c.in_dtypes for c in recorder.calls_of("addmm")] == [(torch.float32,) * 3] * 2
+    assert [c.in_dtypes for c in recorder.calls_of("mm")] == [(torch.bfloat16,) * 2]
+
+
+def test_auto_cast_keeps_black_modules_of_the_model_in_fp32(bf16):
+    lists = graphamp.AutoMixedPrecisionLists(dtype="bfloat16", custom_black_modules=["head"])
+    model = Head()
+    with DtypeRecorder() as recorder, graphamp.auto_cast(lists, model=model):
+        model(torch.randn(4, 16))
+    dtypes = [c.in_dtypes[0] for c in recorder.calls_of("addmm")]
+    assert dtypes == [torch.bfloat16, torch.float32]
+
+
+def test_auto_cast_disabled_runs_as_written(bf16):
+    with DtypeRecorder() as recorder, graphamp.auto_cast(bf16, enabled=False):
+        Head()(torch.randn(4, 16))
+    assert low_and_fp32(recorder) == (0, 2)
+
+
+def test_auto_cast_inside_torch_autocast_is_a_double_amp_error(bf16):
+    with torch.autocast("cpu", torch.bfloat16), pytest.raises(graphamp.DoubleAmpError, match="drop the torch.autocast"):
+        with graphamp.auto_cast(bf16):
+            pass
+
+
+def test_torch_autocast_turned_on_inside_auto_cast_is_a_double_amp_error(bf16):
+    with graphamp.auto_cast(bf16), pytest.raises(graphamp.DoubleAmpError, match="mixed_precision='no'"):
+        with torch.autocast("cpu", torch.bfloat16):
+            Head()(torch.randn(2, 16))
+
+
+def test_plain_autocast_and_torch_compile_are_unchanged_beside_graphamp(bf16):
+    def kernels(run):
+        with CompiledCodeRecorder() as recorder:
+            run()
+        return [(c.op, c.in_dtypes) for c in recorder.calls if c.op == "addmm"]
+
+    torch.manual_seed(0)
+    model, x = Head(), torch.randn(4, 16)
+
+    def under_autocast():
+        with torch.autocast("cpu", torch.bfloat16):
+            model(x)
+
+    compiled = torch.compile(copy.deepcopy(model), backend="aot_eager")
+    before = kernels(under_autocast), kernels(lambda: compiled(x))
+    rewritten = graphamp.rewrite(copy.deepcopy(model), (x,), amp_lists=bf16)
+    with graphamp.auto_cast(bf16):
+        rewritten(x)
+    assert (kernels(under_autocast), kernels(lambda: compiled(x))) == before
+    assert {dtypes for _, dtypes in before[0]} == {(torch.bfloat16,) * 3}
+    assert {dtypes for _, dtypes in before[1]} == {(torch.float32,) * 3}
+
+
+# -- a rewritten model's code that dynamo runs itself follows the lists -------------------------------------------
+
+class OutsideTheGraphs(nn.Module):
+    """A graph break, and a method dynamo never traces: both run eagerly under torch.compile."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second, self.third = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.first(x))
+        torch._dynamo.graph_break()
+        return self.outside(torch.relu(self.second(h)))
+
+    @torch.compiler.disable
+    def outside(self, h):
+        return self.third(h)
+
+
+def test_code_between_graphs_and_skipped_code_run_low(bf16):
+    torch.manual_seed(0)
+    model, x = OutsideTheGraphs(), torch.randn(4, 16)
+    with DtypeRecorder() as fp32:
+        copy.deepcopy(model)(x).sum().backward()
+    graphamp.rewrite(model, amp_lists=bf16)
+    for _ in range(2):
+        with CompiledCodeRecorder() as recorder:
+            model(x).sum().backward()
+        assert low_and_fp32(recorder) == (len(fp32.calls_of("addmm", "mm")), 0)
+
+
+class RaisesOnNegativeBatches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = self.first(x)
+        if bool((x.sum() < -100).item()):
+            raise ValueError("a bad batch")
+        return self.second(h)
+
+
+def test_a_forward_that_raised_once_keeps_running_low(bf16):
+    model = graphamp.rewrite(RaisesOnNegativeBatches(), amp_lists=bf16)
+    model(torch.randn(4, 8))
+    with pytest.raises(ValueError, match="a bad batch"):
+        model(torch.full((4, 8), -10.0))
+    for _ in range(3):
+        with CompiledCodeRecorder() as recorder:
+            model(torch.randn(4, 8))
+        assert low_and_fp32(recorder) == (2, 0)
+
+
+def test_a_rewritten_model_under_a_dispatch_mode_runs_low_and_keeps_its_graphs(bf16):
+    model = graphamp.rewrite(Head(), (torch.randn(4, 16),), amp_lists=bf16)
+    (graph,) = graphamp.rewritten_graphs(model)
+    with FlopCounterMode(display=False) as flops:
+        model(torch.randn(4, 16))
+    assert flops.get_total_flops() > 0
+    with DtypeRecorder() as recorder:  # a plain dispatch mode: dynamo would run the call eagerly
+        model(torch.randn(4, 16))
+    assert low_and_fp32(recorder) == (2, 0)
+    runs = graph.runs
+    model(torch.randn(4, 16))
+    assert graph.runs == runs + 1  # dynamo did not mark the compiled code skipped
+
+
+def test_calls_while_another_thread_compiles_run_low(bf16):
+    model = graphamp.rewrite(Head(), (torch.randn(2, 16),), amp_lists=bf16, dynamic=False)
+    done, failures = threading.Event(), []
+
+    def caller():
+        while not done.is_set():
+            with CompiledCodeRecorder() as recorder:
+                model(torch.randn(2, 16))
+            if low_and_fp32(recorder)[1]:
+                failures.append(recorder.calls_of("addmm"))
+
+    thread = threading.Thread(target=caller)
+    thread.start()
+    try:
+        for batch in range(3, 9):  # each a new compile while the other thread calls
+            model(torch.randn(batch, 16))
+    finally:
+        done.set()
+        thread.join()
+    assert failures == []
+
+
+class Tagged(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x, tag: str):
+        return self.linear(x) * len(tag)
+
+
+def test_calls_past_dynamos_recompile_limit_run_low_and_say_why_once(bf16):
+    model = graphamp.rewrite(Tagged(), amp_lists=bf16)
+    limit = torch._dynamo.config.recompile_limit
+    with pytest.warns(UserWarning, match="ran none of graphamp's graphs") as caught:
+        for length in range(limit + 3):  # a Python string argument: one graph per value
+            with CompiledCodeRecorder() as recorder:
+                model(torch.randn(2, 8), "x" * length)
+            assert low_and_fp32(recorder) == (1, 0)
+    eager = [str(w.message) for w in caught if "ran none of graphamp's graphs" in str(w.message)]
+    assert len(eager) == 1 and "recompile_limit" in eager[0] and "dynamic=True" in eager[0]
+
+
+def test_a_bare_backend_past_the_recompile_limit_runs_low_under_auto_cast(bf16):
+    compiled = torch.compile(Head(), backend=graphamp.backend(bf16, inductor=False), dynamic=False)
+    for batch in range(1, torch._dynamo.config.recompile_limit + 4):
+        with CompiledCodeRecorder() as recorder, graphamp.auto_cast(bf16):
+            compiled(torch.randn(batch, 16))
+        assert low_and_fp32(recorder) == (2, 0)
+
+
+# -- model.compile() and copies ------------------------------------------------------------------------------------
+
+def test_model_compile_after_rewrite_keeps_graphamps_lists(bf16):
+    lists = bf16.with_changes(black=["linear"])
+    model = graphamp.rewrite(Head(), (torch.randn(4, 16),), amp_lists=lists)
+    model.compile(backend="graphamp")
+    model(torch.randn(4, 16))
+    graph = graphamp.rewritten_graphs(model)[-1]
+    assert graph.report.dtype == torch.bfloat16 and "inductor" in graph.timings
+    sources = {n.meta["graphamp"]["source"] for n in graph.graph_module.graph.nodes if "graphamp" in n.meta}
+    assert "custom_black_list" in sources
+
+
+def test_model_compile_with_another_backend_after_rewrite_is_refused(bf16):
+    model = graphamp.rewrite(Head(), amp_lists=bf16)
+    with pytest.raises(graphamp.ArgumentError, match="model.compile\\(\\) or model.compile\\(mode=..."):
+        model.compile(backend="aot_eager")
+    with CompiledCodeRecorder() as recorder:
+        model(torch.randn(4, 16))
+    assert low_and_fp32(recorder) == (2, 0)

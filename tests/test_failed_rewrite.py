@@ -1,0 +1,68 @@
+"""A rewrite() that fails leaves the model as it was; its one example call changes nothing of the model's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import graphamp
+from conftest import CompiledCodeRecorder
+
+
+class Counting(nn.Module):
+    """A forward that reassigns a buffer (not an in-place write)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls = self.calls + 1
+        return self.linear(x)
+
+
+def test_the_example_call_restores_a_buffer_the_forward_reassigns(bf16):
+    model = Counting()
+    buffer = model.calls
+    graphamp.rewrite(model, (torch.randn(2, 8),), amp_lists=bf16)
+    assert model.calls is buffer and model.calls.item() == 0
+    model(torch.randn(2, 8))
+    assert model.calls.item() == 1
+
+
+def test_an_example_that_does_not_fit_the_model_names_the_examples(bf16):
+    model = nn.Sequential(nn.Linear(8, 4))
+    with pytest.raises(graphamp.ArgumentError, match="example inputs do not fit Sequential") as raised:
+        graphamp.rewrite(model, (torch.randn(2, 5),), amp_lists=bf16)
+    assert "make that construct traceable" not in str(raised.value)
+
+
+def test_a_failed_rewrite_leaves_the_model_as_it_was_and_a_retry_works(bf16):
+    model = nn.Sequential(nn.Linear(8, 4))
+    before = dict(model.__dict__)
+    with pytest.raises(graphamp.ArgumentError):
+        graphamp.rewrite(model, (torch.randn(2, 5),), amp_lists=bf16)
+    assert model.__dict__.keys() == before.keys() and model._compiled_call_impl is None
+    assert not hasattr(model, "_graphamp")
+    graphamp.rewrite(model, (torch.randn(2, 8),), amp_lists=bf16)  # not refused as "already rewritten"
+    with CompiledCodeRecorder() as recorder:
+        model(torch.randn(2, 8))
+    assert [c.in_dtypes[0] for c in recorder.calls_of("addmm")] == [torch.bfloat16]
+
+
+def test_an_interrupted_rewrite_leaves_the_model_as_it_was(bf16):
+    class Interrupted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = nn.Linear(8, 8)
+
+        def forward(self, x):
+            raise KeyboardInterrupt  # Ctrl-C during the example call
+
+    model = Interrupted()
+    with pytest.raises(KeyboardInterrupt):
+        graphamp.rewrite(model, (torch.randn(2, 8),), amp_lists=bf16, checkpoint="block")
+    assert "forward" not in model.block.__dict__ and model._compiled_call_impl is None
+    assert not hasattr(model, "_graphamp")
