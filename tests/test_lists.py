@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from graphamp import AutoMixedPrecisionLists, ListFileError
+from graphamp import ArgumentError, AutoMixedPrecisionLists, ListFileError
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -128,8 +128,8 @@ def test_custom_packet_entry_takes_every_overload_away_from_other_lists(tmp_path
     assert lists.classify(torch.ops.aten.add.Scalar).color == "white"
 
 
-def test_op_in_custom_white_and_black_is_a_value_error_naming_it():
-    with pytest.raises(ValueError, match="'matmul' is in both custom_white_list and custom_black_list"):
+def test_op_in_custom_white_and_black_is_a_list_file_error_naming_it():
+    with pytest.raises(ListFileError, match="'matmul' is in both custom_white_list and custom_black_list; keep it"):
         AutoMixedPrecisionLists(custom_white_list=["matmul"], custom_black_list=["matmul"])
 
 
@@ -153,9 +153,10 @@ def test_dtype_accepts_names_and_torch_dtypes(given, expected):
     assert AutoMixedPrecisionLists(dtype=given).dtype == expected
 
 
-def test_dtype_that_is_not_half_precision_is_rejected():
-    with pytest.raises(ValueError, match="float32.*'float16' or 'bfloat16'"):
+def test_dtype_that_is_not_half_precision_is_an_argument_error_naming_the_fix():
+    with pytest.raises(ArgumentError, match="float32.*'float16' or 'bfloat16'") as raised:
         AutoMixedPrecisionLists(dtype=torch.float32)
+    assert isinstance(raised.value, ValueError)  # callers that catch ValueError keep working
 
 
 def test_describe_shows_each_entry_with_its_source(tmp_path, write_lists):

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import graphamp
-from graphamp import AutoMixedPrecisionLists
+from graphamp import ArgumentError, AutoMixedPrecisionLists
 from graphamp.policy import dtypes
 
 BF16 = AutoMixedPrecisionLists(dtype="bfloat16")
@@ -264,18 +264,18 @@ def pretend_gpu(monkeypatch):
 
 def test_bfloat16_on_a_gpu_without_it_is_a_clear_error(pretend_gpu):
     gpu = pretend_gpu("Tesla P100", (6, 0), bf16=False)
-    with pytest.raises(ValueError, match=r"Tesla P100 cannot run bfloat16: use .*dtype='float16'"):
+    with pytest.raises(ArgumentError, match=r"Tesla P100 cannot run bfloat16: use .*dtype='float16'"):
         dtypes.check_dtype_runs_on(gpu, torch.bfloat16, compile=False)
 
 
 def test_compiled_bfloat16_before_sm80_is_a_clear_error(pretend_gpu):
     gpu = pretend_gpu("Tesla V100", (7, 0), bf16=True)  # eager bf16 is emulated there; inductor's is not
     dtypes.check_dtype_runs_on(gpu, torch.bfloat16, compile=False)
-    with pytest.raises(ValueError, match=r"Tesla V100 \(sm_70\) cannot run inductor's bfloat16 kernels"):
+    with pytest.raises(ArgumentError, match=r"Tesla V100 \(sm_70\) cannot run inductor's bfloat16 kernels"):
         dtypes.check_dtype_runs_on(gpu, torch.bfloat16, compile=True)
 
 
 def test_float16_on_a_gpu_without_half_arithmetic_is_a_clear_error(pretend_gpu):
     gpu = pretend_gpu("Tesla M40", (5, 2), bf16=False)
-    with pytest.raises(ValueError, match=r"Tesla M40 \(sm_52\) has no float16 arithmetic"):
+    with pytest.raises(ArgumentError, match=r"Tesla M40 \(sm_52\) has no float16 arithmetic"):
         dtypes.check_dtype_runs_on(gpu, torch.float16, compile=False)

@@ -1,16 +1,16 @@
-"""Dynamic dims for a capture: which input dims torch.export keeps symbolic, sizes from 1 up.
+"""Dynamic dims for export_program(dynamic=True): which input dims torch.export keeps symbolic, sizes from 1 up.
 
 torch.export reads dynamo's `maybe_mark_dynamic` markers (as it reads `Dim.AUTO`, whose dynamic_shapes spec
 cannot name a forward's **kwargs): a dim stays symbolic where the model allows and is specialized where its
-code requires a size (a weight's width); graphamp.runtime.shapes.specialized_dims reports those. By default
-torch also specializes sizes 0 and 1, so a batch of 1 would cost a capture of its own; here a dynamic graph is
-traced size-oblivious instead (torch's backed_size_oblivious, as its ONNX exporter does), and its symbolic
-sizes admit 1 and up.
+code requires a size (a weight's width). By default torch also specializes sizes 0 and 1, so a program traced
+where the model meets a 1 would serve that size only; here the capture is traced size-oblivious instead
+(torch's backed_size_oblivious, as its ONNX exporter does), and its symbolic sizes admit 1 and up.
 
-Why a batch of 1 gets eager's result: the rewritten graph replays ATen ops, which compute with the real sizes
-at run time (`squeeze(0)` still drops a dim of 1); Python code that branches on a size still adds a guard, so
-such a call gets a capture of its own; a 1 that would broadcast against another input's size fails a guard.
-Only torch's internal "is this size 1?" questions are answered "no" without a guard.
+Why a batch of 1 gets eager's result: the program replays ATen ops, which compute with the real sizes at run
+time (`squeeze(0)` still drops a dim of 1). Python code that branches on a size still adds a guard, and the
+program's module() refuses a call that fails it (`Guard failed: x.size()[0] != 1`); so does a 1 that would
+broadcast against another input's size. Only torch's internal "is this size 1?" questions are answered "no"
+without a guard.
 """
 
 from __future__ import annotations
@@ -54,16 +54,16 @@ def automatic_dynamic_dims(tree):
 
 
 def size_oblivious(dynamic: bool = True):
-    """While a dynamic graph is traced or its fake values recomputed (the cast pass): torch answers "is this
-    size 1?" with "no" instead of adding a guard that would keep a batch of 1 out of the graph."""
+    """While a dynamic graph is traced: torch answers "is this size 1?" with "no" instead of adding a guard that
+    would keep a batch of 1 out of the graph."""
     if dynamic and hasattr(shapes_config, "backed_size_oblivious"):
         return shapes_config.patch(backed_size_oblivious=True)
     return contextlib.nullcontext()  # a static graph, or an older torch: sizes 1 specialize, each a capture
 
 
 def sizes_from_one(graph_module: torch.fx.GraphModule) -> None:
-    """Narrow the symbolic sizes of the graph's inputs to 1 and up (size-oblivious tracing left them from 0):
-    the guards made from the graph then send an empty input to a capture of its own."""
+    """Narrow the symbolic sizes of the captured graph's inputs to 1 and up in their shape environment
+    (size-oblivious tracing left them from 0)."""
     for node in graph_module.graph.find_nodes(op="placeholder"):
         value = node.meta.get("val")
         if not isinstance(value, torch.Tensor):

@@ -6,6 +6,8 @@ import warnings
 
 import torch
 
+from graphamp.errors import ArgumentError
+
 __all__ = ["HALF_DTYPES", "check_dtype_runs_on", "cpu_runs_bfloat16_natively", "dtype_name", "resolve_dtype"]
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -21,7 +23,7 @@ def resolve_dtype(dtype) -> torch.dtype:
         return dtype
     if isinstance(dtype, str) and dtype.lower() in _DTYPE_NAMES:
         return _DTYPE_NAMES[dtype.lower()]
-    raise ValueError(f"dtype={dtype!r} is not a low-precision float: use 'float16' or 'bfloat16'.")
+    raise ArgumentError(f"dtype={dtype!r} is not a low-precision float: use 'float16' or 'bfloat16'.")
 
 
 def dtype_name(dtype: torch.dtype | None) -> str | None:
@@ -36,11 +38,13 @@ def check_dtype_runs_on(device: torch.device | None, dtype: torch.dtype, compile
     if device.type == "cuda":
         name, capability = torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
         if dtype == torch.float16 and capability < (5, 3):
-            raise ValueError(f"{name} (sm_{capability[0]}{capability[1]}) has no float16 arithmetic: train it in float32.")
+            raise ArgumentError(
+                f"{name} (sm_{capability[0]}{capability[1]}) has no float16 arithmetic: train it in float32."
+            )
         if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
-            raise ValueError(f"{name} cannot run bfloat16: use AutoMixedPrecisionLists(dtype='float16').")
+            raise ArgumentError(f"{name} cannot run bfloat16: use AutoMixedPrecisionLists(dtype='float16').")
         if dtype == torch.bfloat16 and compile and capability < (8, 0):
-            raise ValueError(
+            raise ArgumentError(
                 f"{name} (sm_{capability[0]}{capability[1]}) cannot run inductor's bfloat16 kernels, which need sm_80: "
                 f"use AutoMixedPrecisionLists(dtype='float16') or compile=False."
             )

@@ -242,7 +242,7 @@ class AutoMixedPrecisionLists:
         for color, names in custom.items():
             for name in names:
                 if name in owners and owners[name] != color:
-                    raise ValueError(
+                    raise ListFileError(
                         f"op '{name}' is in both custom_{owners[name]}_list and custom_{color}_list; "
                         f"keep it in one."
                     )
