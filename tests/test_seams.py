@@ -10,7 +10,6 @@ import pickle
 import subprocess
 import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch

@@ -185,11 +185,9 @@ class EagerPolicy(TorchFunctionMode):
             return self._follow(func, args, kwargs)
         if _autocast_nesting() != self._autocast_nesting and self._in_autocast_region(args):
             return func(*args, **kwargs)  # the model's torch.autocast(enabled=False) region: as written
-        decision, source = rule.decision, rule.source
-        if self._model.black_modules:
-            pattern = self._model.black_module_running()
-            if pattern is not None:
-                decision, source = BLACK, pattern
+        decision = rule.decision
+        if self._model.black_modules and self._model.black_module_running() is not None:
+            decision = BLACK
         if "dtype" in kwargs and isinstance(kwargs["dtype"], torch.dtype) and kwargs["dtype"].is_floating_point:
             return func(*args, **kwargs)  # softmax(x, dtype=torch.float32): the model chose the dtype
         out = kwargs.get("out")
