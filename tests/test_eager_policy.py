@@ -313,3 +313,16 @@ def test_model_compile_with_another_backend_after_rewrite_is_refused(bf16):
     with CompiledCodeRecorder() as recorder:
         model(torch.randn(4, 16))
     assert low_and_fp32(recorder) == (2, 0)
+
+
+def test_a_shallow_copy_is_converted_on_its_own_and_shares_the_parameters(bf16):
+    model = graphamp.rewrite(Head(), (torch.randn(4, 16),), amp_lists=bf16)
+    twin = copy.copy(model)
+    assert twin.body.weight is model.body.weight
+    with CompiledCodeRecorder() as recorder:
+        twin(torch.randn(4, 16))
+    assert low_and_fp32(recorder) == (2, 0)
+    assert twin._graphamp is not model._graphamp and graphamp.rewritten_graphs(twin)
+    with CompiledCodeRecorder() as recorder:
+        model(torch.randn(4, 16))
+    assert low_and_fp32(recorder) == (2, 0)

@@ -15,10 +15,12 @@ dynamo would run eagerly and then never compile again, runs the model's code und
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import functools
 import inspect
 import itertools
+import sys
 import threading
 import types
 import warnings
@@ -181,6 +183,7 @@ class AmpState:
         # a `_call_impl` of its own the model is called through `__call__`, which reaches _AmpCall.
         model.__dict__["_call_impl"] = types.MethodType(_call_impl, model)
         model.__dict__["compile"] = types.MethodType(compile, model)
+        model.__dict__["__reduce_ex__"] = types.MethodType(__reduce_ex__, model)
         model.__dict__["_graphamp"] = self
         _REWRITTEN.add(model)
 
@@ -270,6 +273,25 @@ class _AmpCall:
         return result
 
 
+def __reduce_ex__(module: nn.Module, protocol: int):
+    """copy.copy(model) of a rewritten model: a converted model of its own that shares the parameters, buffers and
+    submodules, as a shallow copy does (nn.Module's default would keep the original's call, bound to the original).
+    deepcopy, pickle and torch.save take the usual path (AmpState installs itself on the copy). Named as the
+    attribute it is bound to; copy.copy looks it up on the instance."""
+    if sys._getframe(1).f_code is copy.copy.__code__:
+        state = module._graphamp
+        shared = {k: v for k, v in module.__dict__.items() if k not in _INSTALLED}
+        return _shallow_copy, (type(module), shared, state.config, state.settings)
+    return object.__reduce_ex__(module, protocol)
+
+
+def _shallow_copy(cls: type, shared: dict, config: AmpConfig, settings: CompileSettings) -> nn.Module:
+    model = cls.__new__(cls)
+    model.__setstate__(dict(shared))
+    AmpState(model, config, settings).install()
+    return model
+
+
 def compile(module: nn.Module, *args, backend="inductor", mode=None, options=None, dynamic=None, fullgraph=False,
             **kwargs) -> None:
     """`model.compile(...)` on a rewritten model: graphamp stays, and its graphs are compiled by inductor with
@@ -293,6 +315,8 @@ def compile(module: nn.Module, *args, backend="inductor", mode=None, options=Non
     state.install()
 
 
+# What AmpState.install() sets on the model.
+_INSTALLED = ("_compiled_call_impl", "_call_impl", "compile", "__reduce_ex__", "_graphamp")
 _GRAPHAMP_OPTIONS = ("amp_lists", "dtype", "level", "custom_white_list", "custom_black_list", "custom_gray_list",
                      "custom_black_modules", "lists_dir")
 
@@ -361,7 +385,7 @@ def _refuse_examples_that_do_not_fit(model: nn.Module, args: tuple, kwargs: dict
 
 def _undo_conversion(model: nn.Module, before: dict, checkpointed: list[tuple[nn.Module, object]]) -> None:
     """Put back what rewrite() set on the model (its call, `compile`, `_graphamp`, checkpointed forwards)."""
-    for name in ("_compiled_call_impl", "_call_impl", "compile", "_graphamp"):
+    for name in _INSTALLED:
         if name in before:
             model.__dict__[name] = before[name]
         else:
