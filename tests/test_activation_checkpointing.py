@@ -205,3 +205,28 @@ def test_composable_checkpoint_of_a_block_is_refused_with_the_fix(bf16):
     checkpoint(model.blocks[1])
     with pytest.raises(graphamp.ArgumentError, match=r"'blocks\.1' is checkpointed .* checkpoint='blocks\.1'"):
         graphamp.rewrite(model, (x,), amp_lists=bf16)
+
+
+@pytest.mark.parametrize("name, blocks", [("gpt2", "transformer.h.*"), ("llama", "model.layers.*")])
+def test_checkpoint_pattern_on_hf_blocks_runs_every_gemm_low_as_hf_checkpointing_does(bf16, name, blocks):
+    """rewrite(checkpoint=...) wraps each block's forward; what dynamo runs of it outside the graphs, forward and the
+    recomputation in backward, follows the lists like HF's own gradient_checkpointing_enable()."""
+    from conftest import CompiledCodeRecorder
+
+    def gemm_dtypes(model):
+        ids = token_batch()
+        with CompiledCodeRecorder() as recorder:
+            model(input_ids=ids, labels=ids).loss.backward()
+        return [c.in_dtypes[0] for c in recorder.calls_of("mm", "addmm", "bmm")]
+
+    import models
+
+    torch.manual_seed(0)
+    ours, hf = getattr(models, name)(), getattr(models, name)()
+    hf.load_state_dict(ours.state_dict())
+    graphamp.rewrite(ours, amp_lists=bf16, checkpoint=blocks)
+    hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    graphamp.rewrite(hf, amp_lists=bf16)
+    ours_dtypes, hf_dtypes = gemm_dtypes(ours), gemm_dtypes(hf)
+    assert set(hf_dtypes) == {torch.bfloat16}
+    assert set(ours_dtypes) == {torch.bfloat16} and len(ours_dtypes) >= len(hf_dtypes)
