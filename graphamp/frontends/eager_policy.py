@@ -58,6 +58,8 @@ _OPERATOR_OPS = {"truediv": "div", "div": "div", "floordiv": "floor_divide", "mo
 # F.interpolate): the ATen ops they call are decided, as the cast pass decides them after tracing.
 _FOLLOWED_MODULES = ("torch.nn.functional", "torch.functional")
 _FOLLOW = object()
+_UNKNOWN = object()
+_HALF = set(HALF_DTYPES)
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,7 @@ class EagerPolicy(TorchFunctionMode):
     def __init__(self, rules: _Rules, model_facts: ModelFacts | None = None, enabled: bool = True):
         super().__init__()
         self._rules = rules
+        self._by_function = rules.by_function
         self.low = rules.config.dtype
         self.level = rules.config.level
         self.enabled = enabled
@@ -176,13 +179,15 @@ class EagerPolicy(TorchFunctionMode):
         # dynamo inlines nothing of this mode but the call.
         if torch.compiler.is_compiling() and dynamo_traces_this_thread():
             return func(*args, **kwargs)
-        if _lifted.depth or tracing_on_fake_tensors():
-            return func(*args, **kwargs)
-        rule = self._rules.rule_for(func)
-        if rule is None:
+        rule = self._by_function.get(func, _UNKNOWN)
+        if rule is _UNKNOWN:
+            rule = self._rules.rule_for(func)
+        if rule is None or _lifted.depth or tracing_on_fake_tensors():
             return func(*args, **kwargs)
         if rule is _FOLLOW:
             return self._follow(func, args, kwargs)
+        if not self._model.black_modules and self._nothing_to_cast(rule.decision, args, kwargs):
+            return func(*args, **kwargs)  # the common case, decided from the input dtypes alone
         if _autocast_nesting() != self._autocast_nesting and self._in_autocast_region(args):
             return func(*args, **kwargs)  # the model's torch.autocast(enabled=False) region: as written
         decision = rule.decision
@@ -200,6 +205,16 @@ class EagerPolicy(TorchFunctionMode):
         return func(*args, **kwargs)
 
     # -- deciding --------------------------------------------------------------------------------------------
+    def _nothing_to_cast(self, decision: str, args, kwargs) -> bool:
+        """Whether the rule leaves every input as it is, told from their floating dtypes: a white op on low inputs,
+        a black op on no low input, a gray op (O1) whose inputs share one dtype."""
+        dtypes = {t.dtype for t in _all_tensors(args, kwargs) if t.dtype.is_floating_point}
+        if decision == WHITE:
+            return dtypes <= {self.low, torch.float64}
+        if decision == BLACK:
+            return not dtypes & _HALF
+        return self.level == "O1" and len(dtypes) <= 1
+
     def _cast_inputs(self, func, rule: _Rule, decision: str, args, kwargs):
         floats = _floating_inputs(args, kwargs, rule)
         if not floats:
