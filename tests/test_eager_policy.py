@@ -326,3 +326,30 @@ def test_a_shallow_copy_is_converted_on_its_own_and_shares_the_parameters(bf16):
     with CompiledCodeRecorder() as recorder:
         model(torch.randn(4, 16))
     assert low_and_fp32(recorder) == (2, 0)
+
+
+class Broken(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.first(x)
+        torch._dynamo.graph_break()
+        return self.second(h)
+
+
+def test_by_name_a_black_module_pattern_matching_after_a_graph_break_is_not_reported_unmatched():
+    import warnings
+
+    model = Broken()
+    compiled = torch.compile(model, backend="graphamp", options={
+        "dtype": "bfloat16", "custom_black_modules": ["second"], "compile_threads": 1,
+    })
+    with warnings.catch_warnings(record=True) as caught, CompiledCodeRecorder() as recorder:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            compiled(torch.randn(4, 8))
+    assert not [w for w in caught if "matches no module" in str(w.message)]
+    dtypes = [c.in_dtypes[0] for c in recorder.calls_of("addmm")]
+    assert dtypes == [torch.bfloat16, torch.float32] * 2

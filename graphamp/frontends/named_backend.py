@@ -28,11 +28,24 @@ GRAPHAMP_OPTIONS = ("amp_lists", "dtype", "level", *_LIST_OPTIONS)
 configure_dynamo()
 
 
+# One backend per graphamp options (and environment): the graphs of one torch.compile, graph breaks included, share
+# its lists, read once, and its record of the module paths it has seen.
+_BACKENDS: dict = {}
+
+
 def graphamp_backend(gm, example_inputs, mode: str | None = None, options: dict | None = None):
     """dynamo's compiler_fn: graphamp's lists and passes on `gm`, then inductor with `mode` and the other options."""
     options = dict(options or {})
     graphamp_options = {key: options.pop(key) for key in GRAPHAMP_OPTIONS if key in options}
-    return AmpBackend(config_from(graphamp_options))(gm, example_inputs, mode=mode, options=options)
+    key = (
+        tuple((name, id(value) if name == "amp_lists" else repr(value)) for name, value in graphamp_options.items()),
+        tuple(os.environ.get(name) for name in ("GRAPHAMP_DTYPE", "GRAPHAMP_LEVEL", "GRAPHAMP_LISTS_DIR")),
+    )
+    backend = _BACKENDS.get(key)
+    given_lists = graphamp_options.get("amp_lists")
+    if backend is None or (given_lists is not None and backend.amp_lists is not given_lists):  # an id reused
+        backend = _BACKENDS[key] = AmpBackend(config_from(graphamp_options))
+    return backend(gm, example_inputs, mode=mode, options=options)
 
 
 def config_from(options: dict) -> AmpConfig:
