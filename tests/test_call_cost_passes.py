@@ -110,6 +110,38 @@ def test_a_llama_compiled_by_inductor_with_grouped_heads_trains_as_the_fx_code_r
         assert _relative_error(parameter.grad, eager_parameters[name].grad) < 3e-2, name
 
 
+class GroupedAttentionThenVmap(nn.Module):
+    """Llama's attention (repeat_kv's repeated key/value heads, a causal mask) and a torch.vmap in one forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.query, self.key, self.value = nn.Linear(32, 32), nn.Linear(32, 16), nn.Linear(32, 16)
+        self.head_scale = nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        batch, length, _ = x.shape
+        q = self.query(x).view(batch, length, 4, 8).transpose(1, 2)
+        k, v = (p(x).view(batch, length, 2, 8).transpose(1, 2) for p in (self.key, self.value))
+        k, v = (t[:, :, None].expand(batch, 2, 2, length, 8).reshape(batch, 4, length, 8) for t in (k, v))
+        mask = torch.ones(length, length, dtype=torch.bool).tril()
+        attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return torch.vmap(lambda row: row * self.head_scale)(attended)
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["fx", "inductor"])
+def test_grouping_heads_keeps_a_vmap_in_the_same_graph(compile):
+    """The pass removes the repeats it replaced and nothing else: vmap's nesting calls have no users but must run
+    (Jamba's and Mamba's scans vmap in the graph of their attention layers)."""
+    torch.manual_seed(0)
+    model, x = GroupedAttentionThenVmap(), torch.randn(2, 6, 32)
+    want = model(x)
+    graphamp.rewrite(model, (x,), amp_lists=BF16, compile=compile)
+    attention = [n for graph in graphamp.rewritten_graphs(model) for n in graph.graph_module.graph.nodes
+                 if n.target is SDPA]
+    assert attention and all(n.kwargs.get("enable_gqa") for n in attention)
+    assert _relative_error(model(x), want) < 2e-2  # bfloat16's rounding; a lost vmap fails to run at all
+
+
 # -- what a call computes afresh ------------------------------------------------------------------------------
 
 class WritesIntoAFreshTensor(nn.Module):

@@ -28,7 +28,7 @@ _CASTS = (torch.ops.aten._to_copy.default,)
 def attend_grouped_queries(graph_module: torch.fx.GraphModule) -> None:
     """Edit `graph_module` in place: its SDPA calls on repeated key/value heads group them instead."""
     graph = graph_module.graph
-    changed = False
+    replaced = []
     for node in list(graph.nodes):
         grouped = _grouped_inputs(node)
         if grouped is None:
@@ -36,11 +36,26 @@ def attend_grouped_queries(graph_module: torch.fx.GraphModule) -> None:
         key, value = (_unrepeated(graph, node, repeated) for repeated in grouped)
         node.args = (node.args[0], key, value, *node.args[3:])
         node.kwargs = {**node.kwargs, "enable_gqa": True}
-        changed = True
-    if changed:
-        graph.eliminate_dead_code()
+        replaced.extend(reshape for _, _, reshape, _ in grouped)
+    if replaced:
+        _erase_unused(graph, replaced)
         graph.lint()
         graph_module.recompile()
+
+
+def _erase_unused(graph: torch.fx.Graph, replaced: list[torch.fx.Node]) -> None:
+    """Erase the replaced repeats that nothing reads now, and then what only they read. Not a whole-graph
+    dead-code elimination: that would also take calls without users that must stay (vmap's
+    `_vmap_increment_nesting`, `_vmap_decrement_nesting`), which this pass did not make dead."""
+    pending, erased = list(replaced), set()
+    while pending:
+        node = pending.pop()
+        if node in erased or node.op != "call_function" or node.users or node.is_impure():
+            continue
+        inputs = node.all_input_nodes
+        graph.erase_node(node)
+        erased.add(node)
+        pending.extend(inputs)
 
 
 def _grouped_inputs(node: torch.fx.Node):
