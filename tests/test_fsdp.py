@@ -64,6 +64,18 @@ class LanguageModel(nn.Module):
         return F.cross_entropy(self.head(self.body(tokens)).flatten(0, 1), labels.flatten())
 
 
+class FinalNormModel(LanguageModel):
+    """GPT-2's ending: a final LayerNorm before the head. With the embedding and the head it is FSDP2's root group."""
+
+    def __init__(self, n_blocks=2, width=64):
+        super().__init__(n_blocks, width)
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, tokens, labels):
+        hidden = self.body(tokens)
+        return F.cross_entropy(self.head(self.norm(hidden)).flatten(0, 1), labels.flatten())
+
+
 def rank_batches(rank: int, steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Different token batches on each rank, the same on every run."""
     generator = torch.Generator().manual_seed(100 + rank)
@@ -172,6 +184,34 @@ def scenario_ddp_compile(rank):
     return results
 
 
+def scenario_fsdp_documented_order_against_ddp(rank):
+    """docs/distributed.md's FSDP2 order, rewrite() given example inputs (a forward that no backward follows), against
+    DDP of the same model on the same batches; every matmul in bfloat16."""
+    lists = graphamp.AutoMixedPrecisionLists(dtype="bfloat16")
+    batches = rank_batches(rank, steps=5)
+    torch.manual_seed(0)
+    model = FinalNormModel()
+    for block in model.body.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    graphamp.rewrite(model, batches[0], amp_lists=lists)
+    fsdp_losses = train(model, decorated(model.parameters(), lists), batches)
+
+    torch.manual_seed(0)
+    reference = graphamp.rewrite(FinalNormModel(), batches[0], amp_lists=lists)
+    ddp = DistributedDataParallel(reference)
+    ddp_losses = train(ddp, decorated(ddp.parameters(), lists), batches)
+    sharded_parameters = dict(model.named_parameters())
+    return {
+        "losses": (fsdp_losses, ddp_losses),
+        "max_difference": {
+            name: (sharded_parameters[name].full_tensor() - p).abs().max().item()
+            for name, p in reference.named_parameters()
+        },
+        "graphs": linears_by_graph(model),
+    }
+
+
 def scenario_fsdp_pattern_naming_one_of_twin_blocks(rank):
     """Twin blocks compiled one at a time share a graph: a pattern that tells them apart cannot be honoured."""
     lists = graphamp.AutoMixedPrecisionLists(dtype="float16", custom_black_modules=["body.blocks.1.down"])
@@ -240,6 +280,7 @@ SCENARIOS = [
     scenario_fsdp_at_the_root,
     scenario_ddp,
     scenario_ddp_compile,
+    scenario_fsdp_documented_order_against_ddp,
     scenario_fsdp_pattern_naming_one_of_twin_blocks,
     scenario_fsdp_inf_on_rank_1,
     scenario_dcp_resume,
@@ -300,6 +341,17 @@ def test_per_block_sharding_runs_each_block_in_one_shared_graph_and_the_head_in_
 def test_sharding_at_the_root_runs_the_whole_model_in_one_graph(ranks):
     for result in results_of(ranks, scenario_fsdp_at_the_root):
         assert [runs for runs, _ in result["graphs"]] == [STEPS]
+
+
+def test_fsdp2_in_the_documented_order_trains_every_parameter_as_ddp(ranks):
+    """The root group (embedding, final norm, head) included: rewrite()'s call on the examples ends FSDP2's
+    iteration, so the optimizer is built from the sharded parameters."""
+    for result in results_of(ranks, scenario_fsdp_documented_order_against_ddp):
+        fsdp_losses, ddp_losses = result["losses"]
+        assert fsdp_losses == pytest.approx(ddp_losses, abs=1e-5)
+        assert {name: d for name, d in result["max_difference"].items() if d > 1e-5} == {}
+        linears = {path: dtype for runs, graph in result["graphs"] if runs for path, dtype in graph}
+        assert {linears["body.blocks.0.up"], linears["body.blocks.0.down"], linears["head"]} == {torch.bfloat16}
 
 
 def test_per_block_fsdp2_parameters_stay_sharded_between_steps(ranks):

@@ -361,12 +361,41 @@ def _compile_ahead(model: nn.Module, args: tuple, kwargs: dict) -> None:
         _refuse_examples_that_do_not_fit(model, args, kwargs, error)
         raise
     finally:
+        _end_fsdp2_iteration(model)
         if cuda_states is not None:
             torch.cuda.set_rng_state_all(cuda_states)
         with torch.no_grad():
             for module, name, buffer, saved in buffers:
                 module._buffers[name] = buffer  # a forward that reassigns a buffer (self.steps = self.steps + 1)
                 buffer.copy_(saved)
+
+
+def _end_fsdp2_iteration(model: nn.Module) -> None:
+    """The examples' call is a forward that no backward follows. FSDP2 reshards its root group after backward only,
+    so the root's parameters (embedding, final norm, head) would stay registered unsharded, and the optimizer built
+    next from model.parameters() would hold those: FSDP2 moves their gradients to the sharded parameters, which the
+    optimizer then neither steps nor zeroes.
+    FSDP2's own reset of an iteration that ends without its backward puts the sharded parameters back, as
+    fully_shard left them: `reset_iter_state()` on each root (torch 2.13 has it; not checked on 2.11), else each
+    module's `reshard()`."""
+    if not torch.distributed.is_available():
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    def roots(module: nn.Module):
+        if isinstance(module, FSDPModule):
+            yield module
+        else:
+            for child in module.children():
+                yield from roots(child)
+
+    for root in roots(model):
+        if hasattr(root, "reset_iter_state"):
+            root.reset_iter_state()
+        else:
+            for module in root.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
 
 
 def _refuse_examples_that_do_not_fit(model: nn.Module, args: tuple, kwargs: dict, error: Exception) -> None:
