@@ -46,7 +46,8 @@ def decorate(
     Any loop: the wrappers are linked to the models ``graphamp.rewrite()`` converted that hold their parameters
     (or to ``model``, a rewritten model or a module holding one), which then scale the gradients inside their
     graphs; a plain ``loss.backward()`` leaves true gradients in ``.grad`` and ``step()`` skips on inf/NaN. See
-    docs/training_loops.md. Rewrite the model before decorating its optimizer.
+    docs/training_loops.md. Rewrite the model before decorating its optimizer, and decorate with the lists it was
+    rewritten with: lists of the other dtype are refused, since the loss scaling follows their dtype.
     """
     optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
     if not optimizers:
@@ -83,13 +84,13 @@ def decorate(
     for wrapper in wrappers[1:]:
         wrapper._iteration = iteration
         iteration.members.append(wrapper)
-    _link(wrappers, model)
+    _link(wrappers, model, None if amp_lists is None else dtype)
     return wrappers if isinstance(optimizer, (list, tuple)) else wrappers[0]
 
 
-def _link(optimizers: list[OptimizerWithMixedPrecision], model: torch.nn.Module | None) -> None:
+def _link(optimizers: list[OptimizerWithMixedPrecision], model: torch.nn.Module | None, dtype: torch.dtype | None):
     """Link decorated optimizers (sharing one loss scaler) to the rewritten models that feed their parameters:
-    those found through the parameters, or those inside `model`."""
+    those found through the parameters, or those inside `model`. `dtype`: the decorated lists' (None: none given)."""
     parameters = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
     if model is None:
         models = rewritten_models(parameters)
@@ -106,6 +107,14 @@ def _link(optimizers: list[OptimizerWithMixedPrecision], model: torch.nn.Module 
                 "decorate(model=...): the optimizer holds none of that model's parameters; build the optimizer from "
                 "model.parameters()."
             )
+    # The loss scaling follows the decorated lists' dtype: bfloat16's (1.0) lets float16 gradients underflow to 0.
+    other = next((m for m in models if dtype not in (None, m._graphamp.config.lists.dtype)), None)
+    if other is not None:
+        raise LossScalingError(
+            f"decorate() got {dtype_name(dtype)} lists, but this {type(other).__name__} was rewritten with "
+            f"{dtype_name(other._graphamp.config.lists.dtype)} lists, whose gradients need their own loss scaling. "
+            f"Fix: decorate with the same AutoMixedPrecisionLists the model was rewritten with."
+        )
     for rewritten in models:
         rewritten._graphamp.link_optimizer(optimizers[0])
 
