@@ -80,3 +80,42 @@ def test_a_half_model_with_an_unscaled_decorated_optimizer_is_refused_at_step_no
         opt.step()
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
+
+# -- decorate()'s argument types ------------------------------------------------------------------------------------
+
+BAD_ARGUMENTS = [
+    pytest.param({"use_dynamic_loss_scaling": "no"},
+                 r"decorate\(use_dynamic_loss_scaling='no'\): pass True, False, or None", id="bool-as-a-string"),
+    pytest.param({"use_dynamic_loss_scaling": 0},
+                 r"decorate\(use_dynamic_loss_scaling=0\): pass True, False, or None", id="bool-as-an-int"),
+    pytest.param({"init_loss_scaling": "1024"}, r"init_loss_scaling='1024' is a str: pass a number",
+                 id="init_loss_scaling-a-string"),
+    pytest.param({"incr_ratio": True}, r"incr_ratio=True is a bool: pass a number", id="incr_ratio-a-bool"),
+    pytest.param({"decr_ratio": "0.5"}, r"decr_ratio='0.5' is a str: pass a number", id="decr_ratio-a-string"),
+    pytest.param({"max_loss_scaling": "inf"}, r"max_loss_scaling='inf' is a str: pass a number",
+                 id="max_loss_scaling-a-string"),
+    pytest.param({"process_group": "nccl"}, r"decorate\(process_group=\.\.\.\) got a str: pass a torch\.distributed "
+                 r"ProcessGroup", id="process_group-a-string"),
+    pytest.param({"model": "model"}, r"decorate\(model=\.\.\.\) got a str: pass the nn\.Module graphamp\.rewrite\(\)",
+                 id="model-a-string"),
+]
+
+
+@pytest.mark.parametrize("arguments, message", BAD_ARGUMENTS)
+def test_an_argument_of_the_wrong_type_raises_an_argument_error_naming_it_and_the_fix(fp16, arguments, message):
+    with pytest.raises(graphamp.ArgumentError, match=message):
+        graphamp.decorate(torch.optim.SGD(nn.Linear(4, 4).parameters(), lr=0.1), fp16, **arguments)
+
+
+def test_the_string_no_does_not_turn_bfloat16_loss_scaling_on(bf16):
+    """The report: use_dynamic_loss_scaling="no" was truthy, so bfloat16 lists got a dynamic scale of 65536."""
+    with pytest.raises(graphamp.ArgumentError, match="use_dynamic_loss_scaling"):
+        graphamp.decorate(torch.optim.SGD(nn.Linear(4, 4).parameters(), lr=0.1), bf16, use_dynamic_loss_scaling="no")
+
+
+def test_the_loss_scaler_itself_refuses_a_non_bool_use_dynamic_loss_scaling():
+    from graphamp.training.loss_scaler import LossScaler
+
+    with pytest.raises(graphamp.ArgumentError, match=r"use_dynamic_loss_scaling='yes': pass True .* or False"):
+        LossScaler(use_dynamic_loss_scaling="yes")
+

@@ -8,8 +8,9 @@ import inspect
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
-from graphamp.errors import LossScalingError
+from graphamp.errors import ArgumentError, LossScalingError
 from graphamp.frontends.rewrite import AmpState, rewritten_models
 from graphamp.policy.dtypes import HALF_DTYPES, dtype_name, resolve_dtype
 from graphamp.training.in_graph_scaling import run_scaled
@@ -72,6 +73,7 @@ def decorate(
         raise LossScalingError(
             f"amp_lists.dtype is {amp_lists.dtype}: loss scaling is for torch.float16 or torch.bfloat16."
         ) from error
+    _check_argument_types(use_dynamic_loss_scaling, process_group, model)
     if use_dynamic_loss_scaling is None:
         use_dynamic_loss_scaling = dtype == torch.float16
         init_loss_scaling = init_loss_scaling if use_dynamic_loss_scaling else 1.0
@@ -86,6 +88,19 @@ def decorate(
         iteration.members.append(wrapper)
     _link(wrappers, model, None if amp_lists is None else dtype)
     return wrappers if isinstance(optimizer, (list, tuple)) else wrappers[0]
+
+
+def _check_argument_types(use_dynamic_loss_scaling: Any, process_group: Any, model: Any) -> None:
+    """decorate()'s arguments that LossScaler does not check: a truthy string would turn scaling on."""
+    if use_dynamic_loss_scaling is not None and not isinstance(use_dynamic_loss_scaling, bool):
+        wanted = "True, False, or None (on for float16 lists, off for bfloat16)"
+        raise ArgumentError(f"decorate(use_dynamic_loss_scaling={use_dynamic_loss_scaling!r}): pass {wanted}.")
+    if process_group is not None and not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
+        raise ArgumentError(f"decorate(process_group=...) got a {type(process_group).__name__}: pass a "
+                            "torch.distributed ProcessGroup (dist.new_group(ranks)) or None for the default group.")
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise ArgumentError(f"decorate(model=...) got a {type(model).__name__}: pass the nn.Module "
+                            "graphamp.rewrite() converted, or None to find it through the optimizer's parameters.")
 
 
 def _link(optimizers: list[OptimizerWithMixedPrecision], model: torch.nn.Module | None, dtype: torch.dtype | None):
