@@ -423,6 +423,14 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
 
     def _check_scaled(self, what: str) -> None:
         if not (self._iteration.loss_scaled or self._iteration.scaled_in_graph or self.loss_scaler.is_fixed_at_one()):
+            taken = self._models_linked_to_another_loss_scaler()
+            if taken:
+                raise LossScalingError(
+                    f"{what}() without a scaled backward since the last step: this optimizer's {taken[0]} scales its "
+                    "gradients by the loss scaling of an optimizer decorated after this one, in a decorate() call of "
+                    "its own. Fix: decorate the optimizers of one model in one call, so that they share one loss "
+                    "scaler: graphamp.decorate([opt_a, opt_b], amp_lists)."
+                )
             raise LossScalingError(
                 f"{what}() without a scaled backward since the last step, and the loss scaling is "
                 f"{self.loss_scaler.get_loss_scaling():g}: the loss came from no model linked to this optimizer. "
@@ -431,6 +439,12 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
                 "(one optimizer per backend: give each model its own backend); or call opt.backward(loss) or "
                 "opt.minimize(loss) instead of loss.backward(), so the gradients carry the loss scaling."
             )
+
+    def _models_linked_to_another_loss_scaler(self) -> list[str]:
+        """The rewritten models holding this optimizer's parameters whose link a later decorate() call took."""
+        linked = [(type(m).__name__, m._graphamp.backend._linked_optimizer) for m in
+                  rewritten_models(p for group in self.param_groups for p in group["params"])]
+        return [name for name, link in linked if link is not None and link() not in (None, *self._iteration.members)]
 
     def _grads(self) -> list[torch.Tensor]:
         grads = []
