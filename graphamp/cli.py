@@ -14,6 +14,7 @@ import importlib
 import math
 import os
 import sys
+import tempfile
 import traceback
 import warnings
 from contextlib import contextmanager
@@ -214,10 +215,13 @@ def _count(least: int):
 
 def _doctor(args, parser) -> int:
     lists = AutoMixedPrecisionLists(dtype=args.dtype, lists_dir=args.lists)
+    # The folders are checked (and created) now, not after the whole diagnosis ran.
     if Path(args.out).is_file():
         raise GraphampError(f"{args.out}: is a file; pass --out a folder for the reports (created if missing).")
-    if args.apply:  # checked now, not after the whole diagnosis ran
+    _check_writable(Path(args.out), "--out")
+    if args.apply:
         refuse_to_overwrite(Path(args.apply), lists, overwrite=False)
+        _check_writable(Path(args.apply), "--apply")
     model, example_args, example_kwargs = _factory_call(args, parser)
     with _checks_named(args.factory):
         report = doctor(model, example_args, example_kwargs, lists, args.steps, args.level,
@@ -233,6 +237,18 @@ def _doctor(args, parser) -> int:
         print(f"\n{found}")
         print(f"wrote {found.write(out / 'auto_lists', overwrite=True)}/: the lists found")
     return 0
+
+
+def _check_writable(folder: Path, option: str) -> None:
+    """Create `folder` if missing and write a file into it, or fail with what the OS said (as root, a folder's mode
+    does not stop writes: only trying tells)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        reason = error.strerror or error
+        raise GraphampError(f"{folder}: cannot write there ({reason}); pass {option} a folder you can write.") from error
 
 
 # -- shared by export and doctor -------------------------------------------------------------------------------
