@@ -14,6 +14,7 @@ import importlib
 import math
 import os
 import sys
+import tempfile
 import traceback
 import warnings
 from contextlib import contextmanager
@@ -24,10 +25,11 @@ from torch import nn
 from graphamp.diagnosis.auto_lists import auto_mixed_precision
 from graphamp.diagnosis.diagnose import doctor, format_report
 from graphamp.diagnosis.list_writer import refuse_to_overwrite
-from graphamp.errors import GraphampError
+from graphamp.errors import GraphampError, ListFileError
 from graphamp.frontends.export_program import export_program
 from graphamp.inspection.export_files import FILES, check_out_dir, export
-from graphamp.policy.lists import COLORS, AutoMixedPrecisionLists
+from graphamp.policy.list_files import no_white_entries
+from graphamp.policy.lists import COLORS, WHITE, AutoMixedPrecisionLists
 
 __all__ = ["main"]
 
@@ -100,8 +102,9 @@ def _add_check_lists(subcommands) -> None:
         subcommands, "check-lists",
         "check a lists folder of your own",
         "Reads white.txt, black.txt, gray.txt and black_modules.txt for float16 and bfloat16: unknown ops, ops\n"
-        "on two lists, bad section headers and misnamed files are errors that name file:line and suggest the\n"
-        "fix (exit status 1). Prints the entry counts when the folder is good.",
+        "on two lists, bad section headers, misnamed files and a white list with no entries (every op would run\n"
+        "in float32) are errors that name file:line and suggest the fix (exit status 1). Prints the entry counts\n"
+        "when the folder is good.",
         "graphamp check-lists my_lists",
     )
     command.add_argument("folder", metavar="DIR", help="the lists folder to check")
@@ -110,14 +113,21 @@ def _add_check_lists(subcommands) -> None:
 
 def _check_lists(args, parser) -> int:
     folder = Path(args.folder)
-    counts = []
+    counts, without_white = [], []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for dtype in DTYPES:
             lists = AutoMixedPrecisionLists(dtype=dtype, lists_dir=folder)
             counts.append(f"{dtype}: " + ", ".join(f"{len(lists.entries(c))} {c}" for c in COLORS))
+            if not lists.entries(WHITE):
+                without_white.append(dtype)
+    if len(without_white) == len(DTYPES):  # loads, but runs every op in float32: not a folder to pass as OK
+        raise ListFileError(no_white_entries(folder) or f"{folder}: white.txt holds no entries for either dtype.")
     for warning in caught:
         print(f"warning: {warning.message}", file=sys.stderr)
+    for dtype in without_white:
+        print(f"warning: {folder / 'white.txt'}: no entries for {dtype} (its section and [all] are empty): with "
+              f"--dtype {dtype} no op runs in low precision.", file=sys.stderr)
     print(f"{folder}: OK ({'; '.join(counts)})")
     return 0
 
@@ -205,10 +215,13 @@ def _count(least: int):
 
 def _doctor(args, parser) -> int:
     lists = AutoMixedPrecisionLists(dtype=args.dtype, lists_dir=args.lists)
+    # The folders are checked (and created) now, not after the whole diagnosis ran.
     if Path(args.out).is_file():
         raise GraphampError(f"{args.out}: is a file; pass --out a folder for the reports (created if missing).")
-    if args.apply:  # checked now, not after the whole diagnosis ran
+    _check_writable(Path(args.out), "--out")
+    if args.apply:
         refuse_to_overwrite(Path(args.apply), lists, overwrite=False)
+        _check_writable(Path(args.apply), "--apply")
     model, example_args, example_kwargs = _factory_call(args, parser)
     with _checks_named(args.factory):
         report = doctor(model, example_args, example_kwargs, lists, args.steps, args.level,
@@ -224,6 +237,18 @@ def _doctor(args, parser) -> int:
         print(f"\n{found}")
         print(f"wrote {found.write(out / 'auto_lists', overwrite=True)}/: the lists found")
     return 0
+
+
+def _check_writable(folder: Path, option: str) -> None:
+    """Create `folder` if missing and write a file into it, or fail with what the OS said (as root, a folder's mode
+    does not stop writes: only trying tells)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        reason = error.strerror or error
+        raise GraphampError(f"{folder}: cannot write there ({reason}); pass {option} a folder you can write.") from error
 
 
 # -- shared by export and doctor -------------------------------------------------------------------------------

@@ -81,6 +81,13 @@ def check_entry_arguments(
             f"this {type(model).__name__} was already rewritten by graphamp.rewrite(): it runs mixed precision as it "
             f"is; rewrite a fresh FP32 model to change its lists."
         )
+    # peft's PeftModel, by duck type (peft is not imported): the model it wraps gets peft_config, not get_base_model
+    if entry_point == "rewrite" and callable(getattr(model, "get_base_model", None)) and hasattr(model, "peft_config"):
+        raise ArgumentError(
+            f"rewrite() got a peft {type(model).__name__}: its generate() and merge_and_unload() reach the model "
+            f"inside, which would stay unconverted and run in float32. Rewrite the base model first, then add the "
+            f"adapters: graphamp.rewrite(base_model, ...), then peft.get_peft_model(base_model, config)."
+        )
     if isinstance(example_args, list):
         raise ArgumentError(
             f"{entry_point}() got example_args as a list; the positional arguments are a tuple: (x,) or (x, y). "

@@ -7,6 +7,7 @@ A list file holds one op (or, in black_modules.txt, one module pattern) a line, 
 from __future__ import annotations
 
 import difflib
+import warnings
 from pathlib import Path
 
 import torch
@@ -15,7 +16,7 @@ from graphamp.errors import ListFileError
 
 __all__ = [
     "BLACK_MODULES_FILE", "LIST_FILES", "OP_LIST_FILES", "PROMOTE_FILE", "SECTIONS", "check_lists_folder",
-    "check_visible", "default_lists_dir", "read_list_entries", "read_list_file",
+    "check_visible", "default_lists_dir", "no_white_entries", "read_list_entries", "read_list_file",
 ]
 
 OP_LIST_FILES = {"white": "white.txt", "black": "black.txt", "gray": "gray.txt"}  # by color
@@ -36,7 +37,8 @@ def check_lists_folder(folder: Path) -> None:
     """Raise ListFileError for a folder that would silently load as empty or partial lists.
 
     A misnamed list file (`White.txt`, `whitelist.txt`) would be ignored: it is named, with the file it was
-    probably meant to be. A folder holding none of the list files would leave every op unlisted.
+    probably meant to be. A folder holding none of the list files would leave every op unlisted. A folder whose
+    white.txt holds no entry loads, with a UserWarning: nothing of it runs in low precision.
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -52,6 +54,24 @@ def check_lists_folder(folder: Path) -> None:
             f"{folder}: holds none of {', '.join(LIST_FILES)}; a lists folder replaces the shipped lists, "
             f"so it would leave every op unlisted. Copy graphamp's lists/ folder and edit it."
         )
+    if message := no_white_entries(folder):
+        warnings.warn(message, stacklevel=3)  # at the caller of AutoMixedPrecisionLists(lists_dir=...)
+
+
+def no_white_entries(folder: Path) -> str | None:
+    """What to say of a lists folder whose white.txt is missing or holds no entry in any section (None if it holds
+    one): with it nothing runs in low precision at level O1, since gray ops follow FP32 inputs."""
+    path = Path(folder) / OP_LIST_FILES["white"]
+    try:
+        lines = path.read_text(encoding="utf-8-sig").splitlines() if path.exists() else []
+    except (OSError, UnicodeDecodeError):
+        return None  # reading it again raises the ListFileError that names the cause
+    entries = [line.split("#", 1)[0].strip() for line in lines]
+    if any(entry and not entry.startswith("[") for entry in entries):
+        return None
+    return (f"{path}: {'holds no entries' if path.exists() else 'is missing'}, so with the lists of {folder} no op "
+            f"runs in low precision (level O1): every op but those a custom_white_list names runs in float32. Add "
+            f"the ops to run low to {path.name}, e.g. mm, addmm, linear (graphamp's lists/white.txt is a start).")
 
 
 def check_visible(text: str, where: str) -> None:

@@ -20,13 +20,14 @@ not.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
-from graphamp.errors import LossScalingError
+from graphamp.errors import ArgumentError, LossScalingError
 from graphamp.policy.dtypes import HALF_DTYPES
 
 __all__ = ["LossScaler", "reciprocal_of"]
@@ -99,6 +100,14 @@ class LossScaler:
         def bad(name: str, value: Any, wanted: str) -> LossScalingError:
             return LossScalingError(f"{name}={value!r}: {wanted}.")
 
+        # Types first: a string would fail the comparisons below with a bare TypeError, and a bool would pass them.
+        for name, value in (("init_loss_scaling", init_loss_scaling), ("incr_ratio", incr_ratio),
+                            ("decr_ratio", decr_ratio), ("max_loss_scaling", max_loss_scaling)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+                raise ArgumentError(f"{name}={value!r} is a {type(value).__name__}: pass a number, e.g. 2.0.")
+        if not isinstance(use_dynamic_loss_scaling, bool):
+            wanted = "pass True (the scale adapts) or False (it stays at init_loss_scaling)"
+            raise ArgumentError(f"use_dynamic_loss_scaling={use_dynamic_loss_scaling!r}: {wanted}.")
         if not (0 < init_loss_scaling <= torch.finfo(torch.float32).max):
             raise bad("init_loss_scaling", init_loss_scaling, "pass a number > 0 that float32 holds, e.g. 2.**16")
         counts = (("incr_every_n_steps", incr_every_n_steps), ("decr_every_n_nan_or_inf", decr_every_n_nan_or_inf))

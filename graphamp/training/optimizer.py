@@ -8,8 +8,9 @@ import inspect
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
-from graphamp.errors import LossScalingError
+from graphamp.errors import ArgumentError, LossScalingError
 from graphamp.frontends.rewrite import AmpState, rewritten_models
 from graphamp.policy.dtypes import HALF_DTYPES, dtype_name, resolve_dtype
 from graphamp.training.in_graph_scaling import run_scaled
@@ -46,7 +47,8 @@ def decorate(
     Any loop: the wrappers are linked to the models ``graphamp.rewrite()`` converted that hold their parameters
     (or to ``model``, a rewritten model or a module holding one), which then scale the gradients inside their
     graphs; a plain ``loss.backward()`` leaves true gradients in ``.grad`` and ``step()`` skips on inf/NaN. See
-    docs/training_loops.md. Rewrite the model before decorating its optimizer.
+    docs/training_loops.md. Rewrite the model before decorating its optimizer, and decorate with the lists it was
+    rewritten with: lists of the other dtype are refused, since the loss scaling follows their dtype.
     """
     optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
     if not optimizers:
@@ -71,6 +73,7 @@ def decorate(
         raise LossScalingError(
             f"amp_lists.dtype is {amp_lists.dtype}: loss scaling is for torch.float16 or torch.bfloat16."
         ) from error
+    _check_argument_types(use_dynamic_loss_scaling, process_group, model)
     if use_dynamic_loss_scaling is None:
         use_dynamic_loss_scaling = dtype == torch.float16
         init_loss_scaling = init_loss_scaling if use_dynamic_loss_scaling else 1.0
@@ -83,13 +86,26 @@ def decorate(
     for wrapper in wrappers[1:]:
         wrapper._iteration = iteration
         iteration.members.append(wrapper)
-    _link(wrappers, model)
+    _link(wrappers, model, None if amp_lists is None else dtype)
     return wrappers if isinstance(optimizer, (list, tuple)) else wrappers[0]
 
 
-def _link(optimizers: list[OptimizerWithMixedPrecision], model: torch.nn.Module | None) -> None:
+def _check_argument_types(use_dynamic_loss_scaling: Any, process_group: Any, model: Any) -> None:
+    """decorate()'s arguments that LossScaler does not check: a truthy string would turn scaling on."""
+    if use_dynamic_loss_scaling is not None and not isinstance(use_dynamic_loss_scaling, bool):
+        wanted = "True, False, or None (on for float16 lists, off for bfloat16)"
+        raise ArgumentError(f"decorate(use_dynamic_loss_scaling={use_dynamic_loss_scaling!r}): pass {wanted}.")
+    if process_group is not None and not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
+        raise ArgumentError(f"decorate(process_group=...) got a {type(process_group).__name__}: pass a "
+                            "torch.distributed ProcessGroup (dist.new_group(ranks)) or None for the default group.")
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise ArgumentError(f"decorate(model=...) got a {type(model).__name__}: pass the nn.Module "
+                            "graphamp.rewrite() converted, or None to find it through the optimizer's parameters.")
+
+
+def _link(optimizers: list[OptimizerWithMixedPrecision], model: torch.nn.Module | None, dtype: torch.dtype | None):
     """Link decorated optimizers (sharing one loss scaler) to the rewritten models that feed their parameters:
-    those found through the parameters, or those inside `model`."""
+    those found through the parameters, or those inside `model`. `dtype`: the decorated lists' (None: none given)."""
     parameters = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
     if model is None:
         models = rewritten_models(parameters)
@@ -106,6 +122,14 @@ def _link(optimizers: list[OptimizerWithMixedPrecision], model: torch.nn.Module 
                 "decorate(model=...): the optimizer holds none of that model's parameters; build the optimizer from "
                 "model.parameters()."
             )
+    # The loss scaling follows the decorated lists' dtype: bfloat16's (1.0) lets float16 gradients underflow to 0.
+    other = next((m for m in models if dtype not in (None, m._graphamp.config.lists.dtype)), None)
+    if other is not None:
+        raise LossScalingError(
+            f"decorate() got {dtype_name(dtype)} lists, but this {type(other).__name__} was rewritten with "
+            f"{dtype_name(other._graphamp.config.lists.dtype)} lists, whose gradients need their own loss scaling. "
+            f"Fix: decorate with the same AutoMixedPrecisionLists the model was rewritten with."
+        )
     for rewritten in models:
         rewritten._graphamp.link_optimizer(optimizers[0])
 
@@ -398,6 +422,14 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
 
     def _check_scaled(self, what: str) -> None:
         if not (self._iteration.loss_scaled or self._iteration.scaled_in_graph or self.loss_scaler.is_fixed_at_one()):
+            taken = self._models_linked_to_another_loss_scaler()
+            if taken:
+                raise LossScalingError(
+                    f"{what}() without a scaled backward since the last step: this optimizer's {taken[0]} scales its "
+                    "gradients by the loss scaling of an optimizer decorated after this one, in a decorate() call of "
+                    "its own. Fix: decorate the optimizers of one model in one call, so that they share one loss "
+                    "scaler: graphamp.decorate([opt_a, opt_b], amp_lists)."
+                )
             raise LossScalingError(
                 f"{what}() without a scaled backward since the last step, and the loss scaling is "
                 f"{self.loss_scaler.get_loss_scaling():g}: the loss came from no model linked to this optimizer. "
@@ -406,6 +438,12 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
                 "(one optimizer per backend: give each model its own backend); or call opt.backward(loss) or "
                 "opt.minimize(loss) instead of loss.backward(), so the gradients carry the loss scaling."
             )
+
+    def _models_linked_to_another_loss_scaler(self) -> list[str]:
+        """The rewritten models holding this optimizer's parameters whose link a later decorate() call took."""
+        linked = [(type(m).__name__, m._graphamp.backend._linked_optimizer) for m in
+                  rewritten_models(p for group in self.param_groups for p in group["params"])]
+        return [name for name, link in linked if link is not None and link() not in (None, *self._iteration.members)]
 
     def _grads(self) -> list[torch.Tensor]:
         grads = []
