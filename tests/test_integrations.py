@@ -364,16 +364,25 @@ def test_lightning_fit_of_a_module_compiled_by_graphamps_name_keeps_mixed_precis
 # -- PEFT ----------------------------------------------------------------------------------------------------------
 
 
-def lora_llama(use_cache: bool):
+def lora_llama(use_cache: bool, amp_lists=None):
+    """A tiny Llama with LoRA adapters, and its FP32 twin; with `amp_lists`, the base model is rewritten before
+    peft wraps it (graphamp refuses a PeftModel: its generate() and merge reach the model inside)."""
     peft = pytest.importorskip("peft")
     base = llama()
     base.config.use_cache = use_cache
-    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
-    torch.manual_seed(1)
-    for name, parameter in model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(parameter, std=0.02)  # not PEFT's zeros: the adapters change the loss from step 0
-    return model
+    eager_base = copy.deepcopy(base)
+    if amp_lists is not None:
+        graphamp.rewrite(base, amp_lists=amp_lists)
+
+    def with_adapters(model):
+        torch.manual_seed(1)  # the same adapters on both
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(parameter, std=0.02)  # not PEFT's zeros: the adapters change the loss from step 0
+        return model
+
+    return with_adapters(base), with_adapters(eager_base)
 
 
 def adapter_losses(model, autocast: bool, steps=3) -> list[float]:
@@ -392,28 +401,26 @@ def adapter_losses(model, autocast: bool, steps=3) -> list[float]:
 
 @pytest.mark.parametrize("use_cache", [False, True], ids=["no_cache", "use_cache"])
 def test_peft_lora_trains_with_its_adapters_low_and_autocasts_losses(bf16, use_cache):
-    model = lora_llama(use_cache)
-    eager = copy.deepcopy(model)
-    graphamp.rewrite(model, amp_lists=bf16)
+    model, eager = lora_llama(use_cache, bf16)
     losses = adapter_losses(model, autocast=False)
     assert relative_error(torch.tensor(losses), torch.tensor(adapter_losses(eager, autocast=True))) < LOSS_TOLERANCE
-    graphs = graphamp.rewritten_graphs(model)
+    graphs = graphamp.rewritten_graphs(model.get_base_model())
     assert_matmuls_ran_in(torch.bfloat16, graphs, at_least=7 + 4)  # the layer's and the adapters' A and B
     adapters = {
         node.meta["graphamp"]["module"] for graph in graphs for node in graph.graph_module.graph.nodes
         if getattr(node.target, "_opname", None) == "linear" and "lora_" in node.meta["graphamp"]["module"]
     }
-    assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default" in adapters  # the model's own paths
+    assert "model.layers.0.self_attn.q_proj.lora_A.default" in adapters  # the rewritten base model's own paths
 
 
-def test_peft_black_module_written_against_the_peft_models_path_runs_in_float32():
-    lists = graphamp.AutoMixedPrecisionLists(dtype="bfloat16", custom_black_modules=["base_model.model.lm_head"])
-    model = lora_llama(use_cache=False)
-    graphamp.rewrite(model, amp_lists=lists)
+def test_peft_black_module_written_against_the_base_models_path_runs_in_float32():
+    lists = graphamp.AutoMixedPrecisionLists(dtype="bfloat16", custom_black_modules=["lm_head"])
+    model, _ = lora_llama(use_cache=False, amp_lists=lists)
     ids = token_batch(2, SEQ)
     model(input_ids=ids, labels=ids)
     head = [
-        node.meta["val"].dtype for graph in graphamp.rewritten_graphs(model) for node in graph.graph_module.graph.nodes
+        node.meta["val"].dtype for graph in graphamp.rewritten_graphs(model.get_base_model())
+        for node in graph.graph_module.graph.nodes
         if getattr(node.target, "_opname", None) == "linear" and node.meta["graphamp"]["module"].endswith("lm_head")
     ]
     assert head == [torch.float32]

@@ -153,9 +153,11 @@ def test_lora_merge_and_unload_after_rewrite_gives_eager_logits(bf16):
     peft = pytest.importorskip("peft")
     model, x = model_and_batch()
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["fc1"], init_lora_weights=False)
+    graphamp.rewrite(model, (x,), amp_lists=bf16)  # the base model first, then the adapters
     lora_model = peft.get_peft_model(model, config)
-    graphamp.rewrite(lora_model, (x,), amp_lists=bf16)
-    merged = lora_model.merge_and_unload()  # the LoRA layer replaced by a merged Linear, inside lora_model
-    eager = copy.deepcopy(merged)
-    assert relative_error(lora_model(x), autocast_output(eager, x)) < 1e-2
-    assert set(matmul_dtypes(lora_model)) == {torch.bfloat16}
+    merged = lora_model.merge_and_unload()  # the LoRA layer replaced by a merged Linear, inside model
+    eager = TwoLayer()
+    eager.fc1, eager.fc2 = copy.deepcopy(merged.fc1), copy.deepcopy(merged.fc2)  # an FP32 twin, not rewritten
+    assert merged is model
+    assert relative_error(merged(x), autocast_output(eager, x)) < 1e-2
+    assert set(matmul_dtypes(merged)) == {torch.bfloat16}
