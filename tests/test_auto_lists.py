@@ -93,5 +93,5 @@ def test_an_op_that_overflows_float16_stays_fp32_whatever_the_tolerance():
 def test_tolerance_must_be_positive(model_and_batch):
     model, batch = model_and_batch
 
-    with pytest.raises(ValueError, match="tolerance=0"):
+    with pytest.raises(graphamp.ArgumentError, match="tolerance=0"):
         graphamp.auto_mixed_precision(model, (), batch, tolerance=0)

@@ -456,3 +456,19 @@ def test_a_read_only_out_folder_is_an_error_line(tmp_path):
     assert result.returncode == 1
     assert "Traceback" not in result.stderr
     assert result.stderr.startswith("error: locked/out: cannot create the folder (Permission denied)")
+
+
+def test_no_plain_value_error_is_raised_to_users():
+    """Every error graphamp raises on purpose is typed (docs/errors.md): a GraphampError subclass names the fix."""
+    import ast
+    from pathlib import Path
+
+    package = Path(graphamp.__file__).parent
+    plain = [
+        f"{path.relative_to(package)}:{node.lineno}"
+        for path in package.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call)
+        and getattr(node.exc.func, "id", None) in ("ValueError", "TypeError", "RuntimeError")
+    ]
+    assert plain == []

@@ -288,7 +288,7 @@ def test_a_model_without_a_loss_is_measured_forward_and_with_loss_fn_backward_to
 def test_doctor_rejects_a_step_count_that_is_not_positive():
     model, inputs = squared_energy()
 
-    with pytest.raises(ValueError, match="steps=0"):
+    with pytest.raises(graphamp.ArgumentError, match="steps=0"):
         graphamp.doctor(model, inputs, steps=0)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from torch import nn
 
+from graphamp.errors import ArgumentError
 from graphamp.policy.config import check_entry_arguments
 from graphamp.diagnosis.list_writer import write_lists
 from graphamp.policy.dtypes import dtype_name
@@ -82,7 +83,7 @@ def auto_mixed_precision(
     )
     start = config.lists
     if not (isinstance(tolerance, (int, float)) and tolerance > 0):
-        raise ValueError(f"tolerance={tolerance!r}: pass a positive relative error, e.g. 1e-2.")
+        raise ArgumentError(f"tolerance={tolerance!r}: pass a positive relative error, e.g. 1e-2.")
     probe = Probe(model, example_args, example_kwargs, level, loss_fn)
     reference = probe.reference(seed=0, backward=False)
     measured = probe.compare(start, reference, backward=False)

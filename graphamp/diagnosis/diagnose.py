@@ -163,7 +163,7 @@ def doctor(
     )
     amp_lists = config.lists
     if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps={steps!r}: pass a positive number of runs to measure.")
+        raise ArgumentError(f"steps={steps!r}: pass a positive number of runs to measure.")
     if not (isinstance(loss_scaling, (int, float)) and math.isfinite(loss_scaling) and loss_scaling > 0):
         raise ArgumentError(f"loss_scaling={loss_scaling!r}: pass a positive finite number, e.g. 1024.0.")
     probe = Probe(model, example_args, example_kwargs, level, loss_fn, loss_scaling, dynamic)

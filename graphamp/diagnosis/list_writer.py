@@ -95,7 +95,7 @@ def _checked_changes(op_changes: Mapping[str, tuple[str, str]]) -> dict[str, tup
     changes = {}
     for name, (color, reason) in op_changes.items():
         if color not in COLORS:
-            raise ValueError(f"op change {name!r}: color {color!r} is not one of {', '.join(COLORS)}.")
+            raise ListFileError(f"op change {name!r}: color {color!r} is not one of {', '.join(COLORS)}.")
         check_op_name(canonical_op_name(name), f"op change {name!r}")
         changes[canonical_op_name(name)] = (color, reason)
     return changes
@@ -105,7 +105,7 @@ def _checked_pattern(pattern: str) -> str:
     """A module pattern that reads back as one name on its line: no spaces, no '#', no leading '['."""
     pattern = pattern.strip()
     if not pattern or len(pattern.split()) != 1 or "#" in pattern or pattern.startswith("["):
-        raise ValueError(
+        raise ListFileError(
             f"black module pattern {pattern!r} cannot be a list line; "
             f"write one glob without spaces, '#' or a leading '['."
         )
