@@ -209,7 +209,7 @@ def test_overwrite_replaces_the_files(tmp_path):
 
 
 def test_a_change_to_an_unknown_color_is_refused_before_writing(tmp_path):
-    with pytest.raises(graphamp.ListFileError, match="'softmax': color 'red' is not one of white, black, gray"):
+    with pytest.raises(ListFileError, match="'softmax': color 'red' is not one of white, black, gray"):
         write_lists(tmp_path / "mine", FP16, {"softmax": ("red", "why")})
     assert not (tmp_path / "mine").exists()
 
@@ -221,5 +221,5 @@ def test_a_change_to_an_unknown_op_is_refused_before_writing(tmp_path):
 
 
 def test_a_module_pattern_that_cannot_be_a_list_line_is_refused(tmp_path):
-    with pytest.raises(graphamp.ListFileError, match="'encoder layer' cannot be a list line"):
+    with pytest.raises(ListFileError, match="'encoder layer' cannot be a list line"):
         write_lists(tmp_path / "mine", FP16, black_modules=[("encoder layer", "why")])
