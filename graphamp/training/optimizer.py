@@ -215,6 +215,9 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
         self._stage = _Stage.READY
         self._found_inf: torch.Tensor | None = None
         self._skipped_steps: torch.Tensor | None = None
+        # After opt.backward(loss), each gradient's version counter: an in-place change since (clip_grad_norm_ before
+        # unscale_()) would clip the scaled gradients, which step() would then unscale into a wrong update.
+        self._scaled_versions: dict[int, tuple[torch.Tensor, int]] = {}
 
     # -- the wrapped optimizer's state, in place --------------------------------------------------------------------
 
@@ -236,10 +239,11 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         # An LR scheduler patches `step` onto the instance; like torch optimizers, leave that out of copies.
-        return {k: v for k, v in self.__dict__.items() if k not in ("step", "_opt_called")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("step", "_opt_called", "_scaled_versions")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self._scaled_versions = {}
         # A copy taken with its model (model first) trains that copy with in-graph scaling, as the original did.
         for rewritten in rewritten_models(p for group in self.param_groups for p in group["params"]):
             if rewritten._graphamp.backend.linked_optimizer is None:
@@ -310,6 +314,10 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
             return
         self.loss_scaler.scale(loss).backward(**kwargs)
         self._iteration.loss_scaled = True
+        self._scaled_versions = {
+            id(p.grad): (p.grad, p.grad._version)
+            for group in self._optimizer.param_groups for p in group["params"] if p.grad is not None
+        }
 
     def unscale_(self) -> None:
         """Divide this optimizer's gradients by the loss scaling in place, e.g. to clip them; once per step."""
@@ -326,6 +334,7 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
             self._found_inf = None  # no gradient: nothing to unscale or check, and step() is eager's no-op
         else:
             self._check_scaled(what)
+            self._check_scaled_gradients_unchanged(grads, what)
             scaled = self._iteration.loss_scaled
             self._found_inf = self.loss_scaler.unscale_(grads) if scaled else self._check_true_gradients(grads)
         self._stage = _Stage.UNSCALED
@@ -356,6 +365,7 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
             # inside their kernel; `grad_scale` is None when the gradients are already unscaled.
             if self._stage is _Stage.READY:
                 self._check_scaled("step")
+                self._check_scaled_gradients_unchanged(grads, "step")
                 scaled = self._iteration.loss_scaled
                 self._found_inf = self.loss_scaler.check_finite(grads) if scaled else self._check_true_gradients(grads)
                 optimizer.grad_scale = self.loss_scaler.loss_scaling if scaled else None
@@ -437,6 +447,23 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
                 "for a model you compiled with a graphamp.backend of your own, amp_backend.link_optimizer(optimizer) "
                 "(one optimizer per backend: give each model its own backend); or call opt.backward(loss) or "
                 "opt.minimize(loss) instead of loss.backward(), so the gradients carry the loss scaling."
+            )
+
+    def _check_scaled_gradients_unchanged(self, grads: list[torch.Tensor], what: str) -> None:
+        """Refuse gradients changed in place while they still held the loss scaling (no host sync: version counters)."""
+        if not self._iteration.loss_scaled or not self._scaled_versions:
+            return
+        recorded = self._scaled_versions
+        changed = any(id(g) in recorded and recorded[id(g)][1] != g._version for g in grads)
+        self._scaled_versions = {}
+        if changed:
+            raise LossScalingError(
+                f"{what}(): the gradients were changed in place after optimizer.backward(loss), while they still "
+                f"held the loss scaling (x{self.loss_scaler.get_loss_scaling():g}): clip_grad_norm_ (or "
+                "accelerator.clip_grad_norm_) clipped scaled gradients, and unscaling them now would take a wrong "
+                "step. Fix: call optimizer.unscale_() before clipping (GradScaler's order), or graphamp.rewrite() the "
+                "model before decorate() so that .grad holds true gradients after a plain backward. Nothing was "
+                "stepped."
             )
 
     def _models_linked_to_another_loss_scaler(self) -> list[str]:
