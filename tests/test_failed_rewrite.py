@@ -66,3 +66,27 @@ def test_an_interrupted_rewrite_leaves_the_model_as_it_was(bf16):
         graphamp.rewrite(model, (torch.randn(2, 8),), amp_lists=bf16, checkpoint="block")
     assert "forward" not in model.block.__dict__ and model._compiled_call_impl is None
     assert not hasattr(model, "_graphamp")
+
+
+def test_ctrl_c_that_lands_where_python_ignores_exceptions_still_reaches_the_caller(bf16):
+    """A first call's compile runs many weakref callbacks and __del__s, where Python prints an interrupt and goes
+    on ("Exception ignored in ..."): the KeyboardInterrupt is raised after the call."""
+    import signal
+
+    class InterruptedWhileCollected:
+        def __del__(self):
+            signal.raise_signal(signal.SIGINT)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(8, 8)
+
+        def forward(self, x):
+            InterruptedWhileCollected()  # collected at once: SIGINT inside its __del__
+            return self.linear(x)
+
+    model = graphamp.rewrite(Model(), amp_lists=bf16)
+    with pytest.raises(KeyboardInterrupt):
+        model(torch.randn(2, 8))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

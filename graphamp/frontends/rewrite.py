@@ -15,11 +15,13 @@ dynamo would run eagerly and then never compile again, runs the model's code und
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import fnmatch
 import functools
 import inspect
 import itertools
+import signal
 import sys
 import threading
 import types
@@ -260,7 +262,7 @@ class _AmpCall:
             self.global_hooks, self.compiled = hooks, state.compiled_call()
         backend = state.backend
         try:
-            with self.lock, state.eager_policy():
+            with _interrupts_kept(), self.lock, state.eager_policy():
                 runs, compiled = backend.graph_runs, len(backend.graphs)
                 result = self.compiled(state.model, *args, **kwargs)
                 state.after_call(runs, compiled)
@@ -319,6 +321,30 @@ def compile(module: nn.Module, *args, backend="inductor", mode=None, options=Non
 _INSTALLED = ("_compiled_call_impl", "_call_impl", "compile", "__reduce_ex__", "_graphamp")
 _GRAPHAMP_OPTIONS = ("amp_lists", "dtype", "level", "custom_white_list", "custom_black_list", "custom_gray_list",
                      "custom_black_modules", "lists_dir")
+
+
+@contextlib.contextmanager
+def _interrupts_kept():
+    """A Ctrl-C that lands where Python ignores exceptions (a weakref callback or a __del__, of which a first call's
+    compile runs many) still reaches the caller, after the call. Main thread, default SIGINT handler only."""
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+    ):
+        yield
+        return
+    pressed = []
+
+    def interrupt(signum, frame):
+        pressed.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if pressed:
+        raise KeyboardInterrupt
 
 
 def _call_impl(module: nn.Module, *args, **kwargs):
