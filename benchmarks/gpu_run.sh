@@ -74,7 +74,7 @@ for p in $PARTS; do
             # FP32 vs autocast vs graphamp on the digits CNN, batch 64, fused AdamW.
             # shellcheck disable=SC2086
             part quickstart "$T_QUICK" "$PYTHON" examples/quickstart.py --batch-size 64 --fused ${QUICK_ARGS:-}
-            tail -n 20 "$OUT/logs/quickstart.log" ;;
+            tail -n 32 "$OUT/logs/quickstart.log" ;;
         train)
             # One child process per (model, mode); the RESULTS.md block is rewritten after each, so that a cut run
             # keeps what it measured.
