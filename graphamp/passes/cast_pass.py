@@ -29,7 +29,7 @@ from torch.fx.node import map_arg
 from graphamp.errors import RewriteError
 from graphamp.policy.aten_ops import (
     FP32_ACCUMULATING_OPS, MODEL_CAST_OPS, NORM_OPS, RESHAPE_OPS, TRACE_ASSERTS, VIEW_OPS, argument_value,
-    has_explicit_float_dtype, norm_parameter_inputs, set_argument, written_inputs,
+    has_explicit_float_dtype, norm_parameter_inputs, set_argument, viewed_input, written_inputs,
 )
 from graphamp.policy.cast_rule import cast_target
 from graphamp.policy.config import AmpConfig, is_normalization_module
@@ -304,13 +304,46 @@ class _CastPass:
         output.args = map_arg(output.args, value_of)
 
     def _restore_traced_dtypes(self, output: Node) -> None:
-        replace = {
-            n: self._cast(n, self.traced_dtype[n], output)
-            for n in output.all_input_nodes
-            if _is_castable(n) and self.traced_dtype.get(n) is not None and node_dtype(n) != self.traced_dtype[n]
-        }
-        if replace:
-            output.args = map_arg(output.args, lambda n: replace.get(n, n))
+        """Each output leaves in its traced dtype. Outputs that shared storage in the trace (a view of another
+        output, two views of one value, a view of an input) are remade as the same views of one restored base, so
+        they leave as aliases again (AOTAutograd regenerates them, fx code returns them); the others are cast."""
+        sharing = Counter(self._storage_root(n) for n in output.all_input_nodes)
+        remade: dict[Node, Node] = {}
+        for value in output.all_input_nodes:
+            if not _is_castable(value) or self.traced_dtype.get(value) in (None, node_dtype(value)):
+                continue
+            root = self._storage_root(value)
+            if root.op in ("placeholder", "get_attr") or sharing[root] > 1:
+                output.replace_input_with(value, self._remade_on_restored_base(value, output, remade))
+            else:
+                output.replace_input_with(value, self._cast(value, self.traced_dtype[value], output))
+        for node in reversed(remade):  # the traced views, and the pass's casts under them, that nothing reads now
+            pure = node in self.cast_source or not _writes_its_base(node)
+            if remade[node] is not node and not node.users and pure and node not in self.recast_reshapes:
+                self.report.casts_inserted -= node.target is CAST_OP
+                self.graph.erase_node(node)
+
+    def _storage_root(self, value: Node) -> Node:
+        """The value whose storage `value` was in the trace: through views, in-place ops and the pass's own casts."""
+        while (base := self.cast_source.get(value) or _viewed_value(value)) is not None:
+            value = base
+        return value
+
+    def _remade_on_restored_base(self, value: Node, before: Node, remade: dict[Node, Node]) -> Node:
+        """`value` in its traced dtype: the views it was traced as, applied to its root in the root's traced dtype."""
+        if value not in remade:
+            base = _viewed_value(value)
+            if value in self.cast_source:  # a cast of the pass's own: the trace had its source there
+                remade[value] = self._remade_on_restored_base(self.cast_source[value], before, remade)
+            elif _dtype_signature(value.meta.get("val")) == self.traced_dtype.get(value):
+                remade[value] = value
+            elif base is None:
+                remade[value] = self._cast(value, self.traced_dtype[value], before)
+            elif _writes_its_base(value):  # relu_(x) is x
+                remade[value] = self._remade_on_restored_base(base, before, remade)
+            else:
+                remade[value] = self._remade(value, base, self._remade_on_restored_base(base, before, remade), before)
+        return remade[value]
 
     # -- casting -------------------------------------------------------------------------------------------
     def _needs_cast(self, value: Node, target: torch.dtype) -> bool:
@@ -347,18 +380,24 @@ class _CastPass:
 
     def _reshape_of_cast(self, reshape: Node, dtype: torch.dtype, before: Node) -> Node:
         """`reshape` in `dtype`, made as the same reshape of its input's (shared) cast."""
-        source = self._cast(reshape.args[0], dtype, before)
-        with self.graph.inserting_before(before):
-            reshaped = self.graph.call_function(reshape.target, (source, *reshape.args[1:]), dict(reshape.kwargs))
-        reshaped.meta["val"] = self._run_on_fake_values(reshaped)
-        reshaped.meta["nn_module_stack"] = reshape.meta.get("nn_module_stack", {})
-        decision, origin = self._decide(reshaped)
-        reshaped.meta["graphamp"] = {"decision": decision, "source": origin, "module": module_path(reshape)}
-        self.report.decisions[decision] += 1
+        reshaped = self._remade(reshape, reshape.args[0], self._cast(reshape.args[0], dtype, before), before)
         self.casts[(reshape, dtype)] = reshaped
         self.cast_source[reshaped] = reshape
         self.recast_reshapes.append(reshape)
         return reshaped
+
+    def _remade(self, node: Node, old: Node, new: Node, before: Node) -> Node:
+        """`node` made again before `before`, reading `new` where it read `old`; its decision taken as for any op."""
+        args, kwargs = map_arg((node.args, node.kwargs), lambda n: new if n is old else n)
+        with self.graph.inserting_before(before):
+            made = self.graph.call_function(node.target, args, kwargs)
+        made.meta["val"] = self._run_on_fake_values(made)
+        made.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+        if isinstance(node.target, OpOverload):
+            decision, origin = self._decide(made)
+            made.meta["graphamp"] = {"decision": decision, "source": origin, "module": module_path(node)}
+            self.report.decisions[decision] += 1
+        return made
 
     def _forget_casts_of(self, value: Node) -> None:
         root = self.cast_source.get(value, value)
@@ -449,6 +488,18 @@ def _dtype_signature(value):
     if isinstance(value, (tuple, list)):
         return tuple(_dtype_signature(v) for v in value)
     return None
+
+
+def _viewed_value(node: Node) -> Node | None:
+    """The value whose storage `node`'s output is (aten_ops.viewed_input); a split's piece's is the split."""
+    if isinstance(node, Node) and node.target is operator.getitem:
+        return node.args[0] if _viewed_value(node.args[0]) is not None else None
+    return viewed_input(node) if isinstance(node, Node) and isinstance(node.target, OpOverload) else None
+
+
+def _writes_its_base(node: Node) -> bool:
+    """An in-place op (relu_, index_copy_, an out= variant): its output is the very tensor it wrote."""
+    return isinstance(node.target, OpOverload) and viewed_input(node) in written_inputs(node)
 
 
 def _reads_one_floating_value(node: Node) -> bool:

@@ -15,7 +15,7 @@ from graphamp.policy.lists import op_lookup_keys
 __all__ = [
     "FP32_ACCUMULATING_OPS", "MODEL_CAST_OPS", "NORM_OPS", "RESHAPE_OPS", "TRACE_ASSERTS", "VIEW_OPS",
     "aliased_inputs", "argument_value", "draws_random_numbers", "has_explicit_float_dtype", "norm_parameter_inputs",
-    "set_argument", "written_inputs",
+    "set_argument", "viewed_input", "written_inputs",
 ]
 
 aten = torch.ops.aten
@@ -84,6 +84,16 @@ def _inputs_where(node: Node, predicate) -> set[Node]:
 def aliased_inputs(node: Node) -> set[Node]:
     """The inputs an op's output may share storage with (a view's self) or that it writes into."""
     return _inputs_where(node, lambda argument: argument.alias_info is not None)
+
+
+def viewed_input(node: Node) -> Node | None:
+    """The input whose storage the op's output is: the base of a view (slice's, transpose's, each of split's pieces'
+    self) or the tensor an in-place op writes and returns (relu_'s self); None where the output is new memory."""
+    schema = node.target._schema
+    alias = schema.returns[0].alias_info if schema.returns else None
+    shared = [a for a in schema.arguments if a.alias_info and alias and alias.before_set <= a.alias_info.before_set]
+    value = argument_value(node, shared[0], None) if len(shared) == 1 else None
+    return value if isinstance(value, Node) else None
 
 
 def written_inputs(node: Node) -> set[Node]:
