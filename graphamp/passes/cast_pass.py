@@ -71,7 +71,7 @@ class RewriteReport:
 
 
 def insert_casts(
-    graph_module: GraphModule, config: AmpConfig, parameters: frozenset[str] = frozenset(), fp32_outputs: bool = True
+    graph_module: GraphModule, config: AmpConfig, parameters: frozenset[str] = frozenset()
 ) -> RewriteReport:
     """Rewrite `graph_module` in place for mixed precision and return what was decided.
 
@@ -80,11 +80,10 @@ def insert_casts(
         config: the lists and level.
         parameters: the names of the placeholders that are the model's parameters; under O2 those a
             normalization module reads are never cast down.
-        fp32_outputs: cast outputs back to their traced dtype, so the values leave as the FP32 trace made them.
     """
     report = RewriteReport(dtype=config.dtype, level=config.level)
     fp32 = _normalization_parameters(graph_module, parameters) if config.level == "O2" else frozenset()
-    _CastPass(graph_module, config, report, fp32).run(restore_outputs=fp32_outputs)
+    _CastPass(graph_module, config, report, fp32).run()
     return report
 
 
@@ -140,13 +139,10 @@ class _CastPass:
         self.recast_reshapes: list[Node] = []  # reshapes remade on a cast of their input (_reshape_of_cast)
         self.fake_mode = detect_fake_mode([n.meta.get("val") for n in self.graph.nodes]) or nullcontext()
 
-    def run(self, restore_outputs: bool) -> None:
+    def run(self) -> None:
         for node in list(self.graph.nodes):
             if node.op == "output":
-                if restore_outputs:
-                    self._restore_traced_dtypes(node)
-                else:
-                    self._return_values_not_their_traced_aliases(node)
+                self._restore_traced_dtypes(node)
             elif node.op == "call_function":
                 if node.target in TRACE_ASSERTS:
                     self.graph.erase_node(node)
@@ -281,27 +277,11 @@ class _CastPass:
             if value.op == "get_attr":
                 body = getattr(self.graph_module, value.target)
                 if isinstance(body, GraphModule):
-                    _CastPass(body, self.config, self.report, fp32_region=fp32_region).run(restore_outputs=True)
+                    _CastPass(body, self.config, self.report, fp32_region=fp32_region).run()
             elif _is_castable(value) and node_dtype(value) != self.traced_dtype.get(value):
                 replace[value] = self._cast(value, self.traced_dtype[value], node)
         if replace:
             node.args, node.kwargs = map_arg((node.args, node.kwargs), lambda n: replace.get(n, n))
-
-    def _return_values_not_their_traced_aliases(self, output: Node) -> None:
-        """An output that is a `.to(dtype)` which changed nothing in the FP32 trace was the value itself there
-        (`x.float() is x`): without fp32_outputs, return the value in its own dtype, as autocast does (HF's loss
-        reads `logits.float()` and the model returns `logits`)."""
-
-        def value_of(node):
-            while (
-                isinstance(node, Node) and node.target is torch.ops.aten.to.dtype and len(node.args) == 2
-                and not node.kwargs and isinstance(node.args[0], Node)
-                and self.traced_dtype.get(node) == self.traced_dtype.get(node.args[0])
-            ):
-                node = node.args[0]
-            return node
-
-        output.args = map_arg(output.args, value_of)
 
     def _restore_traced_dtypes(self, output: Node) -> None:
         """Each output leaves in its traced dtype. Outputs that shared storage in the trace (a view of another
