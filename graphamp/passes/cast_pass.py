@@ -28,8 +28,8 @@ from torch.fx.node import map_arg
 
 from graphamp.errors import RewriteError
 from graphamp.policy.aten_ops import (
-    FP32_ACCUMULATING_OPS, MODEL_CAST_OPS, NORM_OPS, RESHAPE_OPS, TRACE_ASSERTS, VIEW_OPS, argument_value,
-    has_explicit_float_dtype, norm_parameter_inputs, set_argument, viewed_input, written_inputs,
+    FP32_ACCUMULATING_OPS, MODEL_CAST_OPS, NORM_OPS, RESHAPE_OPS, SAME_DTYPE_OPS, TRACE_ASSERTS, VIEW_OPS,
+    argument_value, has_explicit_float_dtype, norm_parameter_inputs, set_argument, viewed_input, written_inputs,
 )
 from graphamp.policy.cast_rule import cast_target
 from graphamp.policy.config import AmpConfig, is_normalization_module
@@ -198,9 +198,12 @@ class _CastPass:
         if target == torch.float32 and decision == BLACK and self._fp32_inside_the_kernel(node, floats):
             target = None
         if target is not None:
-            replace = {n: self._cast(n, target, node) for n in floats if self._needs_cast(n, target)}
-            if replace:
-                node.args, node.kwargs = map_arg((node.args, node.kwargs), lambda n: replace.get(n, n))
+            self._cast_inputs(node, [n for n in floats if self._needs_cast(n, target)], target)
+        into = next((n for n in mutated if _is_castable(n)), None)
+        unlike = [n for n in node.all_input_nodes if _is_castable(n) and n not in left_alone and into is not None
+                  and node_dtype(n) != node_dtype(into)]
+        if unlike and self._result_as_it_is(node) is None:  # the model's `.to(cache.dtype)` was a no-op in the trace
+            self._cast_inputs(node, unlike, node_dtype(into))
         for value in mutated:  # an in-place op makes earlier casts of its target stale
             self._forget_casts_of(value)
         self._refresh_meta(node)
@@ -384,13 +387,23 @@ class _CastPass:
         for key in [k for k in self.casts if k[0] is root]:
             del self.casts[key]
 
-    def _promotes_to_fp32(self, node: Node) -> bool:
-        """Whether torch's type promotion runs this op in FP32 on its mixed inputs as they are."""
+    def _cast_inputs(self, node: Node, values: list[Node], dtype: torch.dtype) -> None:
+        replace = {n: self._cast(n, dtype, node) for n in values}
+        node.args, node.kwargs = map_arg((node.args, node.kwargs), lambda n: replace.get(n, n))
+
+    def _result_as_it_is(self, node: Node):
+        """What the op returns on its inputs in their dtypes now (fake values), None where its kernel refuses them."""
+        if op_lookup_keys(node.target)[1] in SAME_DTYPE_OPS:
+            return None
         try:
             with _fake_tensor_errors_unlogged():
-                result = self._run_on_fake_values(node)
-        except Exception:  # the op wants matching dtypes: cast explicitly
-            return False
+                return self._run_on_fake_values(node)
+        except Exception:
+            return None
+
+    def _promotes_to_fp32(self, node: Node) -> bool:
+        """Whether torch's type promotion runs this op in FP32 on its mixed inputs as they are."""
+        result = self._result_as_it_is(node)  # None where the op wants matching dtypes: cast explicitly
         floats = [t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor) and t.is_floating_point()]
         return bool(floats) and all(t.dtype == torch.float32 for t in floats)
 
@@ -407,7 +420,9 @@ class _CastPass:
         """What `node` returns on its inputs' meta values: shapes and dtypes, no data."""
         args, kwargs = map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
         # The Python dispatcher runs composite ops' decompositions (linear, lstm) on symbolic sizes, as make_fx does.
-        with self.fake_mode, enable_python_dispatcher():
+        # An in-place op runs without autograd: export's meta value of a buffer it writes is a leaf requiring grad.
+        writes = isinstance(node.target, OpOverload) and written_inputs(node)
+        with self.fake_mode, enable_python_dispatcher(), torch.no_grad() if writes else nullcontext():
             return node.target(*args, **kwargs)
 
 
