@@ -28,8 +28,8 @@ from torch.fx.node import map_arg
 
 from graphamp.errors import RewriteError
 from graphamp.policy.aten_ops import (
-    FP32_ACCUMULATING_OPS, MODEL_CAST_OPS, NORM_OPS, RESHAPE_OPS, TRACE_ASSERTS, VIEW_OPS, argument_value,
-    has_explicit_float_dtype, norm_parameter_inputs, set_argument, written_inputs,
+    FP32_ACCUMULATING_OPS, MODEL_CAST_OPS, NORM_OPS, RESHAPE_OPS, SAME_DTYPE_OPS, TRACE_ASSERTS, VIEW_OPS,
+    argument_value, has_explicit_float_dtype, norm_parameter_inputs, set_argument, viewed_input, written_inputs,
 )
 from graphamp.policy.cast_rule import cast_target
 from graphamp.policy.config import AmpConfig, is_normalization_module
@@ -71,7 +71,7 @@ class RewriteReport:
 
 
 def insert_casts(
-    graph_module: GraphModule, config: AmpConfig, parameters: frozenset[str] = frozenset(), fp32_outputs: bool = True
+    graph_module: GraphModule, config: AmpConfig, parameters: frozenset[str] = frozenset()
 ) -> RewriteReport:
     """Rewrite `graph_module` in place for mixed precision and return what was decided.
 
@@ -80,11 +80,10 @@ def insert_casts(
         config: the lists and level.
         parameters: the names of the placeholders that are the model's parameters; under O2 those a
             normalization module reads are never cast down.
-        fp32_outputs: cast outputs back to their traced dtype, so the values leave as the FP32 trace made them.
     """
     report = RewriteReport(dtype=config.dtype, level=config.level)
     fp32 = _normalization_parameters(graph_module, parameters) if config.level == "O2" else frozenset()
-    _CastPass(graph_module, config, report, fp32).run(restore_outputs=fp32_outputs)
+    _CastPass(graph_module, config, report, fp32).run()
     return report
 
 
@@ -140,13 +139,10 @@ class _CastPass:
         self.recast_reshapes: list[Node] = []  # reshapes remade on a cast of their input (_reshape_of_cast)
         self.fake_mode = detect_fake_mode([n.meta.get("val") for n in self.graph.nodes]) or nullcontext()
 
-    def run(self, restore_outputs: bool) -> None:
+    def run(self) -> None:
         for node in list(self.graph.nodes):
             if node.op == "output":
-                if restore_outputs:
-                    self._restore_traced_dtypes(node)
-                else:
-                    self._return_values_not_their_traced_aliases(node)
+                self._restore_traced_dtypes(node)
             elif node.op == "call_function":
                 if node.target in TRACE_ASSERTS:
                     self.graph.erase_node(node)
@@ -202,9 +198,12 @@ class _CastPass:
         if target == torch.float32 and decision == BLACK and self._fp32_inside_the_kernel(node, floats):
             target = None
         if target is not None:
-            replace = {n: self._cast(n, target, node) for n in floats if self._needs_cast(n, target)}
-            if replace:
-                node.args, node.kwargs = map_arg((node.args, node.kwargs), lambda n: replace.get(n, n))
+            self._cast_inputs(node, [n for n in floats if self._needs_cast(n, target)], target)
+        into = next((n for n in mutated if _is_castable(n)), None)
+        unlike = [n for n in node.all_input_nodes if _is_castable(n) and n not in left_alone and into is not None
+                  and node_dtype(n) != node_dtype(into)]
+        if unlike and self._result_as_it_is(node) is None:  # the model's `.to(cache.dtype)` was a no-op in the trace
+            self._cast_inputs(node, unlike, node_dtype(into))
         for value in mutated:  # an in-place op makes earlier casts of its target stale
             self._forget_casts_of(value)
         self._refresh_meta(node)
@@ -281,36 +280,53 @@ class _CastPass:
             if value.op == "get_attr":
                 body = getattr(self.graph_module, value.target)
                 if isinstance(body, GraphModule):
-                    _CastPass(body, self.config, self.report, fp32_region=fp32_region).run(restore_outputs=True)
+                    _CastPass(body, self.config, self.report, fp32_region=fp32_region).run()
             elif _is_castable(value) and node_dtype(value) != self.traced_dtype.get(value):
                 replace[value] = self._cast(value, self.traced_dtype[value], node)
         if replace:
             node.args, node.kwargs = map_arg((node.args, node.kwargs), lambda n: replace.get(n, n))
 
-    def _return_values_not_their_traced_aliases(self, output: Node) -> None:
-        """An output that is a `.to(dtype)` which changed nothing in the FP32 trace was the value itself there
-        (`x.float() is x`): without fp32_outputs, return the value in its own dtype, as autocast does (HF's loss
-        reads `logits.float()` and the model returns `logits`)."""
-
-        def value_of(node):
-            while (
-                isinstance(node, Node) and node.target is torch.ops.aten.to.dtype and len(node.args) == 2
-                and not node.kwargs and isinstance(node.args[0], Node)
-                and self.traced_dtype.get(node) == self.traced_dtype.get(node.args[0])
-            ):
-                node = node.args[0]
-            return node
-
-        output.args = map_arg(output.args, value_of)
-
     def _restore_traced_dtypes(self, output: Node) -> None:
-        replace = {
-            n: self._cast(n, self.traced_dtype[n], output)
-            for n in output.all_input_nodes
-            if _is_castable(n) and self.traced_dtype.get(n) is not None and node_dtype(n) != self.traced_dtype[n]
-        }
-        if replace:
-            output.args = map_arg(output.args, lambda n: replace.get(n, n))
+        """Each output leaves in its traced dtype. Outputs that shared storage in the trace (a view of another
+        output, two views of one value, a view of an input) are remade as the same views of one restored base, so
+        they leave as aliases again (AOTAutograd regenerates them, fx code returns them); the others are cast."""
+        sharing = Counter(self._storage_root(n) for n in output.all_input_nodes)
+        remade: dict[Node, Node] = {}
+        for value in output.all_input_nodes:
+            if not _is_castable(value) or self.traced_dtype.get(value) in (None, node_dtype(value)):
+                continue
+            root = self._storage_root(value)
+            if root.op in ("placeholder", "get_attr") or sharing[root] > 1:
+                output.replace_input_with(value, self._remade_on_restored_base(value, output, remade))
+            else:
+                output.replace_input_with(value, self._cast(value, self.traced_dtype[value], output))
+        for node in reversed(remade):  # the traced views, and the pass's casts under them, that nothing reads now
+            pure = node in self.cast_source or not _writes_its_base(node)
+            if remade[node] is not node and not node.users and pure and node not in self.recast_reshapes:
+                self.report.casts_inserted -= node.target is CAST_OP
+                self.graph.erase_node(node)
+
+    def _storage_root(self, value: Node) -> Node:
+        """The value whose storage `value` was in the trace: through views, in-place ops and the pass's own casts."""
+        while (base := self.cast_source.get(value) or _viewed_value(value)) is not None:
+            value = base
+        return value
+
+    def _remade_on_restored_base(self, value: Node, before: Node, remade: dict[Node, Node]) -> Node:
+        """`value` in its traced dtype: the views it was traced as, applied to its root in the root's traced dtype."""
+        if value not in remade:
+            base = _viewed_value(value)
+            if value in self.cast_source:  # a cast of the pass's own: the trace had its source there
+                remade[value] = self._remade_on_restored_base(self.cast_source[value], before, remade)
+            elif _dtype_signature(value.meta.get("val")) == self.traced_dtype.get(value):
+                remade[value] = value
+            elif base is None:
+                remade[value] = self._cast(value, self.traced_dtype[value], before)
+            elif _writes_its_base(value):  # relu_(x) is x
+                remade[value] = self._remade_on_restored_base(base, before, remade)
+            else:
+                remade[value] = self._remade(value, base, self._remade_on_restored_base(base, before, remade), before)
+        return remade[value]
 
     # -- casting -------------------------------------------------------------------------------------------
     def _needs_cast(self, value: Node, target: torch.dtype) -> bool:
@@ -347,31 +363,47 @@ class _CastPass:
 
     def _reshape_of_cast(self, reshape: Node, dtype: torch.dtype, before: Node) -> Node:
         """`reshape` in `dtype`, made as the same reshape of its input's (shared) cast."""
-        source = self._cast(reshape.args[0], dtype, before)
-        with self.graph.inserting_before(before):
-            reshaped = self.graph.call_function(reshape.target, (source, *reshape.args[1:]), dict(reshape.kwargs))
-        reshaped.meta["val"] = self._run_on_fake_values(reshaped)
-        reshaped.meta["nn_module_stack"] = reshape.meta.get("nn_module_stack", {})
-        decision, origin = self._decide(reshaped)
-        reshaped.meta["graphamp"] = {"decision": decision, "source": origin, "module": module_path(reshape)}
-        self.report.decisions[decision] += 1
+        reshaped = self._remade(reshape, reshape.args[0], self._cast(reshape.args[0], dtype, before), before)
         self.casts[(reshape, dtype)] = reshaped
         self.cast_source[reshaped] = reshape
         self.recast_reshapes.append(reshape)
         return reshaped
+
+    def _remade(self, node: Node, old: Node, new: Node, before: Node) -> Node:
+        """`node` made again before `before`, reading `new` where it read `old`; its decision taken as for any op."""
+        args, kwargs = map_arg((node.args, node.kwargs), lambda n: new if n is old else n)
+        with self.graph.inserting_before(before):
+            made = self.graph.call_function(node.target, args, kwargs)
+        made.meta["val"] = self._run_on_fake_values(made)
+        made.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+        if isinstance(node.target, OpOverload):
+            decision, origin = self._decide(made)
+            made.meta["graphamp"] = {"decision": decision, "source": origin, "module": module_path(node)}
+            self.report.decisions[decision] += 1
+        return made
 
     def _forget_casts_of(self, value: Node) -> None:
         root = self.cast_source.get(value, value)
         for key in [k for k in self.casts if k[0] is root]:
             del self.casts[key]
 
-    def _promotes_to_fp32(self, node: Node) -> bool:
-        """Whether torch's type promotion runs this op in FP32 on its mixed inputs as they are."""
+    def _cast_inputs(self, node: Node, values: list[Node], dtype: torch.dtype) -> None:
+        replace = {n: self._cast(n, dtype, node) for n in values}
+        node.args, node.kwargs = map_arg((node.args, node.kwargs), lambda n: replace.get(n, n))
+
+    def _result_as_it_is(self, node: Node):
+        """What the op returns on its inputs in their dtypes now (fake values), None where its kernel refuses them."""
+        if op_lookup_keys(node.target)[1] in SAME_DTYPE_OPS:
+            return None
         try:
             with _fake_tensor_errors_unlogged():
-                result = self._run_on_fake_values(node)
-        except Exception:  # the op wants matching dtypes: cast explicitly
-            return False
+                return self._run_on_fake_values(node)
+        except Exception:
+            return None
+
+    def _promotes_to_fp32(self, node: Node) -> bool:
+        """Whether torch's type promotion runs this op in FP32 on its mixed inputs as they are."""
+        result = self._result_as_it_is(node)  # None where the op wants matching dtypes: cast explicitly
         floats = [t for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor) and t.is_floating_point()]
         return bool(floats) and all(t.dtype == torch.float32 for t in floats)
 
@@ -388,7 +420,9 @@ class _CastPass:
         """What `node` returns on its inputs' meta values: shapes and dtypes, no data."""
         args, kwargs = map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
         # The Python dispatcher runs composite ops' decompositions (linear, lstm) on symbolic sizes, as make_fx does.
-        with self.fake_mode, enable_python_dispatcher():
+        # An in-place op runs without autograd: export's meta value of a buffer it writes is a leaf requiring grad.
+        writes = isinstance(node.target, OpOverload) and written_inputs(node)
+        with self.fake_mode, enable_python_dispatcher(), torch.no_grad() if writes else nullcontext():
             return node.target(*args, **kwargs)
 
 
@@ -449,6 +483,18 @@ def _dtype_signature(value):
     if isinstance(value, (tuple, list)):
         return tuple(_dtype_signature(v) for v in value)
     return None
+
+
+def _viewed_value(node: Node) -> Node | None:
+    """The value whose storage `node`'s output is (aten_ops.viewed_input); a split's piece's is the split."""
+    if isinstance(node, Node) and node.target is operator.getitem:
+        return node.args[0] if _viewed_value(node.args[0]) is not None else None
+    return viewed_input(node) if isinstance(node, Node) and isinstance(node.target, OpOverload) else None
+
+
+def _writes_its_base(node: Node) -> bool:
+    """An in-place op (relu_, index_copy_, an out= variant): its output is the very tensor it wrote."""
+    return isinstance(node.target, OpOverload) and viewed_input(node) in written_inputs(node)
 
 
 def _reads_one_floating_value(node: Node) -> bool:

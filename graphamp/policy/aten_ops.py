@@ -13,9 +13,9 @@ from torch.fx.node import map_arg
 from graphamp.policy.lists import op_lookup_keys
 
 __all__ = [
-    "FP32_ACCUMULATING_OPS", "MODEL_CAST_OPS", "NORM_OPS", "RESHAPE_OPS", "TRACE_ASSERTS", "VIEW_OPS",
-    "aliased_inputs", "argument_value", "draws_random_numbers", "has_explicit_float_dtype", "norm_parameter_inputs",
-    "set_argument", "written_inputs",
+    "FP32_ACCUMULATING_OPS", "MODEL_CAST_OPS", "NORM_OPS", "RESHAPE_OPS", "SAME_DTYPE_OPS", "TRACE_ASSERTS",
+    "VIEW_OPS", "aliased_inputs", "argument_value", "draws_random_numbers", "has_explicit_float_dtype",
+    "norm_parameter_inputs", "set_argument", "viewed_input", "written_inputs",
 ]
 
 aten = torch.ops.aten
@@ -46,6 +46,10 @@ RESHAPE_OPS = {
 # Ops that only re-index their input (a view): a normalization's output read through them still reaches its reader
 # in the low dtype unchanged.
 VIEW_OPS = {aten.permute.default, aten.transpose.int, aten.t.default, aten.contiguous.default, aten.expand.default}
+# Kernels that refuse a source of another floating dtype than the tensor they index into, though their fake (meta)
+# kernels accept it: type promotion cannot be asked of fake values for them.
+SAME_DTYPE_OPS = {op + "_" * in_place for op in ("index_copy", "index_add", "index_put", "index_reduce", "put",
+                                                 "_index_put_impl") for in_place in (False, True)}
 # export's checks that a `.to()` result has the traced dtype; after the rewrite the dtype may differ.
 TRACE_ASSERTS = {aten._assert_tensor_metadata.default}
 
@@ -84,6 +88,16 @@ def _inputs_where(node: Node, predicate) -> set[Node]:
 def aliased_inputs(node: Node) -> set[Node]:
     """The inputs an op's output may share storage with (a view's self) or that it writes into."""
     return _inputs_where(node, lambda argument: argument.alias_info is not None)
+
+
+def viewed_input(node: Node) -> Node | None:
+    """The input whose storage the op's output is: the base of a view (slice's, transpose's, each of split's pieces'
+    self) or the tensor an in-place op writes and returns (relu_'s self); None where the output is new memory."""
+    schema = node.target._schema
+    alias = schema.returns[0].alias_info if schema.returns else None
+    shared = [a for a in schema.arguments if a.alias_info and alias and alias.before_set <= a.alias_info.before_set]
+    value = argument_value(node, shared[0], None) if len(shared) == 1 else None
+    return value if isinstance(value, Node) else None
 
 
 def written_inputs(node: Node) -> set[Node]:
