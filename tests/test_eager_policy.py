@@ -353,3 +353,18 @@ def test_by_name_a_black_module_pattern_matching_after_a_graph_break_is_not_repo
     assert not [w for w in caught if "matches no module" in str(w.message)]
     dtypes = [c.in_dtypes[0] for c in recorder.calls_of("addmm")]
     assert dtypes == [torch.bfloat16, torch.float32] * 2
+
+
+def test_auto_cast_writes_a_low_source_into_a_float32_buffer_in_the_buffers_dtype(bf16):
+    """buffer.index_copy_(0, i, linear(x)): the kernel wants one dtype; the write keeps the buffer's, as eager's."""
+    torch.manual_seed(0)
+    linear, x = nn.Linear(8, 8), torch.randn(3, 8)
+    buffer, index = torch.zeros(5, 8), torch.tensor([0, 2, 4])
+    with graphamp.auto_cast(bf16):
+        buffer.index_copy_(0, index, linear(x))
+        buffer.index_add_(0, index, linear(x))
+        buffer.index_put_((index,), linear(x), accumulate=True)
+    with torch.autocast("cpu", torch.bfloat16):
+        expected = linear(x).float()
+    assert buffer.dtype == torch.float32
+    torch.testing.assert_close(buffer[index], 3 * expected)

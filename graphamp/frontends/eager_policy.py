@@ -30,7 +30,7 @@ from torch._ops import OpOverload, OpOverloadPacket
 from torch.overrides import TorchFunctionMode
 
 from graphamp.errors import ArgumentError, DoubleAmpError
-from graphamp.policy.aten_ops import FP32_ACCUMULATING_OPS, NORM_OPS
+from graphamp.policy.aten_ops import FP32_ACCUMULATING_OPS, NORM_OPS, SAME_DTYPE_OPS
 from graphamp.policy.cast_rule import cast_target
 from graphamp.policy.config import AmpConfig, check_level, is_normalization_module
 from graphamp.policy.dtypes import HALF_DTYPES
@@ -73,6 +73,7 @@ class _Rule:
     norm: bool  # a normalization: only its first tensor is data, the rest are FP32 parameters
     dtype_argument: bool  # a black op that computes in float32 inside when passed dtype=float32 (softmax, sum)
     promotes: bool  # promote.txt: mixed inputs are cast to the widest
+    same_dtype: bool  # index_copy_ and the like: the kernel wants the source in its target's dtype
 
 
 class _Rules:
@@ -104,7 +105,8 @@ class _Rules:
             argument.name == "dtype" for schema in _schemas(packet) for argument in schema.arguments
         )
         writes_first = name.endswith("_") and not name.startswith("_")
-        return _Rule(decision, source, name, writes_first, name in NORM_OPS, dtype_argument, lists.promotes_packet(name))
+        return _Rule(decision, source, name, writes_first, name in NORM_OPS, dtype_argument, lists.promotes_packet(name),
+                     name in SAME_DTYPE_OPS)
 
 
 def _op_name(function) -> str | None:
@@ -186,6 +188,10 @@ class EagerPolicy(TorchFunctionMode):
             return func(*args, **kwargs)
         if rule is _FOLLOW:
             return self._follow(func, args, kwargs)
+        if rule.same_dtype and rule.writes_first and args and isinstance(args[0], torch.Tensor):
+            # buffer.index_copy_(0, i, source): the source in the buffer's dtype, as in a graph (cast_pass.py)
+            args, kwargs = _map_inputs(args, kwargs, rule, self._caster(args[0].dtype, ()))
+            return func(*args, **kwargs)
         if not self._model.black_modules and self._nothing_to_cast(rule.decision, args, kwargs):
             return func(*args, **kwargs)  # the common case, decided from the input dtypes alone
         if _autocast_nesting() != self._autocast_nesting and self._in_autocast_region(args):
@@ -224,8 +230,8 @@ class EagerPolicy(TorchFunctionMode):
         if target is None:
             return args, kwargs
         follows_inputs = decision in (GRAY, Decision.UNLISTED)
-        if target == torch.float32 and follows_inputs and not rule.promotes and self._promotes_to_fp32(func, args,
-                                                                                                       kwargs):
+        if target == torch.float32 and follows_inputs and not (rule.promotes or rule.same_dtype) and \
+                self._promotes_to_fp32(func, args, kwargs):
             return args, kwargs  # add(bf16, fp32) computes in FP32 inside the kernel: a cast would only cost
         if target == self.low and rule.norm and not runs_low_on(rule.op, floats[0].device, self.low):
             target = torch.float32  # this device's norm kernel wants X in its parameters' dtype
