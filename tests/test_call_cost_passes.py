@@ -176,3 +176,21 @@ def test_values_a_call_makes_without_its_inputs_are_made_every_call(rewritten, m
             torch.testing.assert_close(have, want)
         if module is ReturnsAnInputFreeValue:
             got[1].add_(100)  # the caller's to change: the next call must not see it
+
+
+def test_each_pass_runs_by_its_name_and_reports_its_time(bf16, monkeypatch):
+    """The passes run from one named list under torch.fx's GraphTransformObserver; each graph's timings name them."""
+    from torch.fx.passes.graph_transform_observer import GraphTransformObserver
+
+    seen = []
+    original = GraphTransformObserver.apply_gm_pass
+
+    def recording(observer, pass_fn):
+        seen.append((observer.subsystem, observer.passname))
+        return original(observer, pass_fn)
+
+    monkeypatch.setattr(GraphTransformObserver, "apply_gm_pass", recording)
+    model = graphamp.rewrite(nn.Linear(4, 4), (torch.randn(2, 4),), amp_lists=bf16)
+    assert seen == [("graphamp", "cast"), ("graphamp", "grouped_query_attention")]
+    timings = graphamp.rewritten_graphs(model)[0].timings
+    assert {"pass cast", "pass grouped_query_attention"} <= set(timings)

@@ -144,7 +144,7 @@ class AmpBackend:
         original_code = aten_graph.print_readable(print_output=False)
         timings["lower to ATen"] = time.perf_counter() - start
         start = time.perf_counter()
-        report = run_passes(aten_graph, self.config, frozenset(state))
+        report = run_passes(aten_graph, self.config, frozenset(state), timings)
         timings["passes"] = time.perf_counter() - start
         relative_state, state = state, {name: to_model_path(path) for name, path in state.items()}
         graph = BackendGraph(aten_graph, report, original_code, state, timings)

@@ -1,15 +1,23 @@
 """The passes both front ends run on a pre-autograd ATen graph, in order, from one visible list.
 
-Every pass edits the graph in place and keeps what the next one reads true: `node.meta["val"]` (shapes and
-dtypes after the casts), `node.meta["graphamp"]` (each op's decision and its source), the placeholders and the
-number and order of the outputs. The cast pass comes first: the passes after it see the dtypes it chose.
-`rewrite()`/`graphamp.backend()` run them on each graph dynamo captures, `export_program()` on the whole
-program, the doctor's probe on its copy.
+Every pass edits the graph in place and keeps these true (inductor's fx_passes keep the like):
+- `node.meta["val"]` (shapes and dtypes after the casts) and `node.meta["graphamp"]` (each op's decision and its
+  source) of every node;
+- the placeholders, and the number and order of the outputs;
+- aliasing: no pass makes inputs or outputs alias that did not in the trace, and outputs that aliased each other or
+  an input in the trace still do (AOTAutograd regenerates such views: the graph must say them);
+- a pass removes only nodes it made dead, never a node with side effects another construct needs (vmap's nesting).
+The cast pass comes first: the passes after it see the dtypes it chose. `rewrite()`/`graphamp.backend()` run them
+on each graph dynamo captures, `export_program()` on the whole program; the doctor's probe runs the cast pass alone
+on its copy (it compares each traced node's value, which the later passes would replace).
 """
 
 from __future__ import annotations
 
+import time
+
 from torch.fx import GraphModule
+from torch.fx.passes.graph_transform_observer import GraphTransformObserver
 
 from graphamp.passes.cast_pass import RewriteReport, insert_casts
 from graphamp.passes.grouped_query_attention import attend_grouped_queries
@@ -17,19 +25,34 @@ from graphamp.policy.config import AmpConfig
 
 __all__ = ["PASSES_AFTER_CASTS", "run_passes"]
 
-# (name, pass): each takes the graph module and edits it in place.
+# (name, pass) after the cast pass: each takes the graph module and edits it in place.
 PASSES_AFTER_CASTS = (("grouped_query_attention", attend_grouped_queries),)
 
 
-def run_passes(graph_module: GraphModule, config: AmpConfig, parameters: frozenset[str] = frozenset()) -> RewriteReport:
-    """The cast pass, then PASSES_AFTER_CASTS, on `graph_module` in place; returns the cast pass's report.
+def run_passes(
+    graph_module: GraphModule, config: AmpConfig, parameters: frozenset[str] = frozenset(), timings: dict | None = None
+) -> RewriteReport:
+    """The cast pass ("cast"), then PASSES_AFTER_CASTS, on `graph_module` in place; returns the cast pass's report.
+
+    Each runs under torch.fx's GraphTransformObserver by its name (subsystem "graphamp"), as inductor's passes do:
+    TORCH_COMPILE_DEBUG's graph-transform logs and pass bisection see them, and dynamo_timed counts each as
+    `pass.graphamp.<name>`.
 
     Args:
         graph_module: the pre-autograd ATen graph, as traced in FP32.
         config: the lists and level.
         parameters: the placeholder names that are the model's parameters (the O2 rule reads them).
+        timings: where to add each pass's seconds, as "pass <name>".
     """
-    report = insert_casts(graph_module, config, parameters)
-    for _name, apply in PASSES_AFTER_CASTS:
-        apply(graph_module)
+    report = None
+
+    def cast(gm: GraphModule) -> None:
+        nonlocal report
+        report = insert_casts(gm, config, parameters)
+
+    for name, apply in (("cast", cast), *PASSES_AFTER_CASTS):
+        started = time.perf_counter()
+        GraphTransformObserver(graph_module, name, subsystem="graphamp").apply_gm_pass(apply)
+        if timings is not None:
+            timings[f"pass {name}"] = time.perf_counter() - started
     return report
