@@ -11,7 +11,6 @@ backend="graphamp")` reaches one by name (named_backend.py).
 from __future__ import annotations
 
 import time
-import warnings
 import weakref
 from dataclasses import dataclass, field
 
@@ -19,9 +18,10 @@ import torch
 from torch.amp.autocast_mode import is_autocast_available
 from torch.fx import GraphModule
 
-from graphamp.errors import ArgumentError, CaptureError, DoubleAmpError
+from graphamp.errors import ArgumentError, DoubleAmpError
 from graphamp.frontends.eager_policy import policy_lifted
-from graphamp.frontends.lowering import ModulePaths, rename_module_paths, state_placeholders, to_aten
+from graphamp.frontends.lowering import to_aten
+from graphamp.frontends.module_paths import ModulePaths
 from graphamp.passes import run_passes
 from graphamp.passes.cast_pass import RewriteReport
 from graphamp.policy.config import AmpConfig
@@ -83,10 +83,7 @@ class AmpBackend:
         self.graphs: list[BackendGraph] = []
         self.graph_runs = 0  # every run of every graph: rewrite() tells a call that ran none of them
         self._linked_optimizer = None
-        self._module_paths = ModulePaths(model)
-        # rewrite() checks the patterns against the model itself; compiled alone, after a whole call (below).
-        self._patterns_checked = model is not None or not config.lists.black_modules
-        self._paths_seen: set[str] = set()
+        self._module_paths = ModulePaths(config.lists, model)
         configure_dynamo()
 
     @property
@@ -136,20 +133,15 @@ class AmpBackend:
         timings = {}
         start = time.perf_counter()
         aten_graph = to_aten(gm, example_inputs, len(self.graphs))
-        state = state_placeholders(gm, aten_graph)
-        placeholders = [node.name for node in aten_graph.graph.find_nodes(op="placeholder")]
-        to_model_path = self._module_paths.resolver(state, dict(zip(placeholders, example_inputs)))
-        relative_paths = rename_module_paths(aten_graph, to_model_path)
-        self._paths_seen |= {to_model_path(path) for path in relative_paths}
+        paths = self._module_paths.name_graph(gm, aten_graph, example_inputs)
         original_code = aten_graph.print_readable(print_output=False)
         timings["lower to ATen"] = time.perf_counter() - start
         start = time.perf_counter()
-        report = run_passes(aten_graph, self.config, frozenset(state), timings)
+        report = run_passes(aten_graph, self.config, frozenset(paths.state), timings)
         timings["passes"] = time.perf_counter() - start
-        relative_state, state = state, {name: to_model_path(path) for name, path in state.items()}
-        graph = BackendGraph(aten_graph, report, original_code, state, timings)
+        graph = BackendGraph(aten_graph, report, original_code, paths.state, timings)
         self.graphs.append(graph)
-        reuse_check = self._reuse_check(relative_state, placeholders, example_inputs, relative_paths, to_model_path)
+        reuse_check = paths.reuse_check
         if not self.inductor:
             # Its code as a function, not a module call: global module hooks (register_module_forward_hook) would
             # otherwise fire on graphamp's GraphModule, a module eager never calls.
@@ -172,8 +164,7 @@ class AmpBackend:
                 reuse_check(args)
             self.graph_runs += 1
             graph.runs += 1
-            if graph.runs == 2 and not self._patterns_checked:  # a whole call has compiled all its graphs by now
-                self._warn_unmatched_patterns()
+            self._module_paths.graph_ran(graph.runs)
             optimizer = self.linked_optimizer
             with policy_lifted():  # the graph holds its casts: graphamp's eager policy leaves its calls alone
                 if optimizer is None or not torch.is_grad_enabled():
@@ -182,54 +173,12 @@ class AmpBackend:
 
         return call
 
-    def _reuse_check(self, state: dict[str, str], placeholders: list[str], example_inputs: list,
-                     relative_paths: set[str], to_model_path):
-        """For a graph whose module paths were resolved against the model: a check, before each run, that dynamo
-        does not reuse it for a twin block (blocks compiled one at a time share a graph) that the black-module
-        patterns decide otherwise, which would run that block with this one's dtypes."""
-        lists = self.config.lists
-        if not lists.black_modules or not self._module_paths.knows_model or not state:
-            return None
-        first = placeholders.index(next(iter(state)))
-        decided = {path: lists.black_module_for(to_model_path(path)) for path in relative_paths}
-        seen = {id(example_inputs[first])}
-
-        def check(args):
-            if id(args[first]) in seen:
-                return
-            seen.add(id(args[first]))
-            other = self._module_paths.resolver(state, dict(zip(placeholders, args)))
-            for path, pattern in decided.items():
-                if (lists.black_module_for(other(path)) is None) != (pattern is None):
-                    raise CaptureError(
-                        f"dynamo reuses the graph it compiled for '{to_model_path(path)}' for '{other(path)}' "
-                        f"(identical blocks compiled one at a time share one graph), but the black-module patterns "
-                        f"decide the two differently, so '{other(path)}' would run with the other's dtypes. Fix: "
-                        f"compile the whole model (graphamp.rewrite(model)), where each block's ops are decided "
-                        f"where they are, or write the pattern for every twin alike ('layers.*.mlp')."
-                    )
-
-        return check
-
-    def _warn_unmatched_patterns(self) -> None:
-        """A black-module pattern that matched no module of any graph keeps nothing in FP32: say so once."""
-        self._patterns_checked = True
-        paths = sorted(self._paths_seen)
-        for pattern, close in self.config.lists.unmatched_black_modules(paths):
-            hint = f"closest module paths: {', '.join(close)}" if close else f"paths seen: {', '.join(paths[:5])}"
-            warnings.warn(
-                f"{pattern.source}: black-module pattern '{pattern.name}' matches no module of the graphs "
-                f"torch.compile captured, so it keeps nothing in FP32 ({hint}). Module paths here are those of "
-                f"the module torch.compile got; graphamp.rewrite(model) matches them against the whole model.",
-                stacklevel=3,
-            )
-
     def __getstate__(self) -> dict:
         """A pickled backend (torch.save of a compiled model) keeps its configuration; graphs and link are remade."""
         state = dict(self.__dict__)
         state.update(
             graphs=[], graph_runs=0, _linked_optimizer=None,
-            _module_paths=ModulePaths(),
+            _module_paths=ModulePaths(self.config.lists),
         )
         return state
 

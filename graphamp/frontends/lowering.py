@@ -8,16 +8,13 @@ sizes stay symbolic. What make_fx alone would lose is kept:
   recorded as export records them, not run on the tracer's tensors;
 - `with torch.autocast(..., enabled=False)` regions become `wrap_with_autocast` sub-graphs, kept FP32;
 - activation checkpoints stay `tag_activation_checkpoint` regions.
-Each node keeps dynamo's `nn_module_stack`, its paths turned into the model's `named_modules()` paths.
+Each node keeps dynamo's `nn_module_stack` (module_paths.py turns its paths into the model's).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
-import re
-import weakref
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -27,7 +24,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from graphamp.errors import CaptureError
 
-__all__ = ["ModulePaths", "module_fqn", "rename_module_paths", "state_placeholders", "to_aten"]
+__all__ = ["to_aten"]
 
 _AUTOGRAD_FUNCTION = getattr(torch.ops.higher_order, "autograd_function_apply", None)
 
@@ -170,98 +167,3 @@ def _fake_inputs(gm: GraphModule, example_inputs: list):
 
 
 # The frame-local a path starts from (`L['self']`, `L['args'][0]`, `G['model']`), and the tables between names.
-_ROOT = re.compile(r"^[LG]\[['\"][^'\"]*['\"]\](\[\d+\])?\.?")
-_INDEX = re.compile(r"\[(\d+)\]")
-_KEY = re.compile(r"\[['\"]([^'\"]+)['\"]\]")
-# Attributes through which a framework's wrapper holds the user's model: not part of the model's own paths.
-_WRAPPER_ATTRIBUTES = ("module", "_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_forward_module")
-
-
-def module_fqn(dynamo_path: str) -> str:
-    """`L['self'].model.layers[0]._modules['mlp']` -> `model.layers.0.mlp`, the path named_modules() gives
-    (`..._parameters['weight']` -> `...weight`, as named_parameters())."""
-    path = _ROOT.sub("", dynamo_path)
-    path = _KEY.sub(r".\1", _INDEX.sub(r".\1", path))
-    # `__dict__['base_model']`: how dynamo reads a submodule of a class with its own __getattr__ (PEFT's PeftModel).
-    dropped = ("_modules", "_parameters", "_buffers", "__dict__")
-    parts = [part for part in path.split(".") if part and part not in dropped]
-    return ".".join(parts)
-
-
-def state_placeholders(gm: GraphModule, aten_graph: GraphModule) -> dict[str, str]:
-    """{ATen placeholder name: parameter or buffer path below the compiled module} for the model state dynamo
-    passes as graph inputs (`L['self']._modules['inp']._parameters['weight']` -> `inp.weight`)."""
-    names = {}
-    aten_inputs = aten_graph.graph.find_nodes(op="placeholder")
-    for dynamo_input, aten_input in zip(gm.graph.find_nodes(op="placeholder"), aten_inputs):
-        source = getattr(dynamo_input.meta.get("grapharg"), "source", None)
-        where = source.name() if callable(getattr(source, "name", None)) else getattr(source, "name", "")
-        if "._parameters[" in where or "._buffers[" in where:
-            names[aten_input.name] = module_fqn(where)
-    return names
-
-
-class ModulePaths:
-    """Turns the module paths of one compiled graph (below whatever torch.compile got: the model, a wrapper of
-    it, one of its blocks) into the paths of the user's model, which black-module patterns are written against.
-
-    With the model known (`rewrite()`), a parameter the graph reads says where the compiled module sits in it:
-    `mlp.fc.weight` in the graph is `layers.3.mlp.fc.weight` in the model. Without it, a framework wrapper's
-    attribute at the front (DDP's `module.`) is dropped.
-    """
-
-    def __init__(self, model: torch.nn.Module | None = None):
-        self._model = weakref.ref(model) if model is not None else None  # the backend must not keep it alive
-
-    @property
-    def knows_model(self) -> bool:
-        return self._model is not None
-
-    def resolver(self, state: dict[str, str], inputs_by_placeholder: dict[str, object]):
-        """A function from a graph path to a model path, for the graph whose state placeholders are `state`."""
-        model_state = _state_paths(self._model()) if self._model is not None else {}
-        for placeholder, relative in state.items():
-            absolute = model_state.get(id(inputs_by_placeholder.get(placeholder)))
-            if absolute is None:
-                continue
-            if _ends_with_path(absolute, relative):
-                prefix = absolute[: len(absolute) - len(relative)]
-                return lambda path: prefix + path if path else prefix.rstrip(".")
-            if _ends_with_path(relative, absolute):
-                wrapper = relative[: len(relative) - len(absolute)]
-                return lambda path: path[len(wrapper):] if path.startswith(wrapper) else ""
-        return _without_wrappers
-
-
-def _state_paths(model: torch.nn.Module | None) -> dict[int, str]:
-    """id(parameter or buffer) -> its path in `model`, which a graph's module paths are resolved against."""
-    if model is None:
-        return {}
-    named = itertools.chain(
-        model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)
-    )
-    return {id(tensor): name for name, tensor in named}
-
-
-def _ends_with_path(path: str, tail: str) -> bool:
-    return path == tail or path.endswith("." + tail)
-
-
-def _without_wrappers(path: str) -> str:
-    parts = path.split(".")
-    while parts and parts[0] in _WRAPPER_ATTRIBUTES:
-        parts = parts[1:]
-    return ".".join(parts)
-
-
-def rename_module_paths(aten_graph: GraphModule, to_model_path) -> set[str]:
-    """Write model paths into every node's nn_module_stack (sub-graphs too); returns the graph's own paths."""
-    seen = set()
-    for graph_module in (m for m in aten_graph.modules() if isinstance(m, GraphModule)):
-        for node in graph_module.graph.nodes:
-            stack = node.meta.get("nn_module_stack")
-            if stack:
-                paths = {key: module_fqn(path) for key, (path, _) in stack.items()}
-                node.meta["nn_module_stack"] = {key: (to_model_path(paths[key]), kind) for key, (_, kind) in stack.items()}
-                seen.update(path for path in paths.values() if path)
-    return seen
