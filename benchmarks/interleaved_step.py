@@ -1,5 +1,5 @@
 """FP32, torch.autocast and graphamp train steps interleaved in one process: the speed ratio without the
-process-to-process spread.
+process-to-process spread. Eager rows also time graphamp.auto_cast (the lists as an eager policy, no compile).
 
     PYTHONPATH=. python benchmarks/interleaved_step.py                       # GPT-2, BERT, ResNet-50; eager and compiled
     PYTHONPATH=. python benchmarks/interleaved_step.py --models gpt2 --compiled-only --rounds 20
@@ -29,6 +29,7 @@ from bench_models import build
 from train_step import device_name
 
 MODES = ("fp32", "autocast", "graphamp")
+EAGER_ONLY_MODES = ("auto_cast",)
 
 
 def steps_for(model_name: str, compiled: bool, device: str, size: str | None = None) -> dict:
@@ -37,8 +38,13 @@ def steps_for(model_name: str, compiled: bool, device: str, size: str | None = N
     workload = build(model_name, size or ("gpu" if device == "cuda" else "cpu"), device)
     low = torch.bfloat16
     steps = {}
-    for mode in MODES:
+    for mode in MODES + (() if compiled else EAGER_ONLY_MODES):
         model = copy.deepcopy(workload.model)  # before any rewrite: a copy of a rewritten model is rewritten too
+        if mode == "auto_cast":
+            lists = graphamp.AutoMixedPrecisionLists(dtype="bfloat16")
+            steps[mode] = _step(workload, model, torch.optim.AdamW(model.parameters(), lr=1e-4),
+                                lambda model=model, lists=lists: graphamp.auto_cast(lists, model=model))
+            continue
         if mode == "graphamp":
             net = graphamp.rewrite(
                 model, example_kwargs=workload.batches[0][0], compile=compiled,
@@ -81,7 +87,7 @@ def measure(steps: dict, rounds: int, per_round: int, device: str) -> dict:
             _sync(device)
             wall[mode].append((time.perf_counter() - started) / per_round)
             cpu[mode].append((time.process_time() - started_cpu) / per_round)
-    return {mode: (statistics.median(wall[mode]), statistics.median(cpu[mode])) for mode in steps}
+    return {mode: (statistics.median(wall[mode]), statistics.median(cpu[mode]), wall[mode]) for mode in steps}
 
 
 def _sync(device: str) -> None:
@@ -102,14 +108,21 @@ def main() -> None:
     kinds = [False] * (not args.compiled_only) + [True] * (not args.eager_only)
     print(f"{device_name(args.device)}, torch {torch.__version__}, {datetime.date.today()}; bfloat16; median of "
           f"{args.rounds} interleaved rounds of {args.steps} steps per mode\n")
-    print("| model | mode | FP32 ms | autocast ms | graphamp ms | graphamp × autocast speed (wall) | (CPU time) |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("| model | mode | FP32 ms | autocast ms | graphamp ms | graphamp × autocast speed (wall) | (CPU time) "
+          "| auto_cast ms | auto_cast × autocast speed (wall; rounds' range) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for model_name in args.models.split(","):
         for compiled in kinds:
             t = measure(steps_for(model_name, compiled, args.device, args.size), args.rounds, args.steps, args.device)
-            (fp32, _), (autocast, autocast_cpu), (amp, amp_cpu) = (t[mode] for mode in MODES)
+            (fp32, _, _), (autocast, autocast_cpu, autocast_rounds), (amp, amp_cpu, _) = (t[mode] for mode in MODES)
+            eager_policy = ["", ""]
+            if "auto_cast" in t:
+                ratios = [a / b for a, b in zip(autocast_rounds, t["auto_cast"][2])]  # the same round's pair
+                eager_policy = [f"{1e3 * t['auto_cast'][0]:.1f}", f"{statistics.median(ratios):.3f}× "
+                                f"({min(ratios):.2f}-{max(ratios):.2f})"]
             print(f"| {model_name} | {'compiled' if compiled else 'eager'} | {1e3 * fp32:.1f} | {1e3 * autocast:.1f} | "
-                  f"{1e3 * amp:.1f} | {autocast / amp:.3f}× | {autocast_cpu / amp_cpu:.3f}× |", flush=True)
+                  f"{1e3 * amp:.1f} | {autocast / amp:.3f}× | {autocast_cpu / amp_cpu:.3f}× | "
+                  + " | ".join(eager_policy) + " |", flush=True)
 
 
 if __name__ == "__main__":
