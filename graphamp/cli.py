@@ -218,9 +218,10 @@ def _doctor(args, parser) -> int:
     # The folders are checked (and created) now, not after the whole diagnosis ran.
     if Path(args.out).is_file():
         raise GraphampError(f"{args.out}: is a file; pass --out a folder for the reports (created if missing).")
+    if args.apply:  # every refusal before any folder is created
+        refuse_to_overwrite(Path(args.apply), lists, overwrite=False)
     _check_writable(Path(args.out), "--out")
     if args.apply:
-        refuse_to_overwrite(Path(args.apply), lists, overwrite=False)
         _check_writable(Path(args.apply), "--apply")
     model, example_args, example_kwargs = _factory_call(args, parser)
     with _checks_named(args.factory):
