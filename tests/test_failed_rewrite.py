@@ -68,6 +68,7 @@ def test_an_interrupted_rewrite_leaves_the_model_as_it_was(bf16):
     assert not hasattr(model, "_graphamp")
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # Python's own "Exception ignored"
 def test_ctrl_c_that_lands_where_python_ignores_exceptions_still_reaches_the_caller(bf16):
     """A first call's compile runs many weakref callbacks and __del__s, where Python prints an interrupt and goes
     on ("Exception ignored in ..."): the KeyboardInterrupt is raised after the call."""
