@@ -192,7 +192,7 @@ class EagerPolicy(TorchFunctionMode):
             # buffer.index_copy_(0, i, source): the source in the buffer's dtype, as in a graph (cast_pass.py)
             args, kwargs = _map_inputs(args, kwargs, rule, self._caster(args[0].dtype, ()))
             return func(*args, **kwargs)
-        if not self._model.black_modules and self._nothing_to_cast(rule.decision, args, kwargs):
+        if not self._model.black_modules and self._nothing_to_cast(rule, args, kwargs):
             return func(*args, **kwargs)  # the common case, decided from the input dtypes alone
         if _autocast_nesting() != self._autocast_nesting and self._in_autocast_region(args):
             return func(*args, **kwargs)  # the model's torch.autocast(enabled=False) region: as written
@@ -211,9 +211,15 @@ class EagerPolicy(TorchFunctionMode):
         return func(*args, **kwargs)
 
     # -- deciding --------------------------------------------------------------------------------------------
-    def _nothing_to_cast(self, decision: str, args, kwargs) -> bool:
+    def _nothing_to_cast(self, rule: _Rule, args, kwargs) -> bool:
         """Whether the rule leaves every input as it is, told from their floating dtypes: a white op on low inputs,
-        a black op on no low input, a gray op (O1) whose inputs share one dtype."""
+        a black op on no low input, a gray op (O1) whose inputs share one dtype, or a normalization (O1) whose data
+        is float32, or low where this device's kernel takes low data with FP32 parameters."""
+        decision = rule.decision
+        if rule.norm and decision in (GRAY, Decision.UNLISTED) and self.level == "O1":
+            data = next(_all_tensors(args, kwargs), None)
+            return data is None or data.dtype == torch.float32 or (
+                data.dtype == self.low and runs_low_on(rule.op, data.device, self.low))
         dtypes = {t.dtype for t in _all_tensors(args, kwargs) if t.dtype.is_floating_point}
         if decision == WHITE:
             return dtypes <= {self.low, torch.float64}
