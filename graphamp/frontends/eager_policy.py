@@ -159,6 +159,7 @@ class EagerPolicy(TorchFunctionMode):
         self.enabled = enabled
         self._model = model_facts or ModelFacts()
         self._weight_casts: dict[int, tuple] = {}  # as torch.autocast caches a weight's cast for its context
+        self._to_low = self._caster(self.low, self._model.kept_fp32)
         self._autocast_nesting = 0
 
     def __enter__(self):
@@ -199,6 +200,10 @@ class EagerPolicy(TorchFunctionMode):
         decision = rule.decision
         if self._model.black_modules and self._model.black_module_running() is not None:
             decision = BLACK
+        elif decision == WHITE and not kwargs and all(type(a) is not list and type(a) is not tuple for a in args):
+            # the hot path (a GEMM or convolution on positional tensors): each float32 input cast down, nothing else
+            to_low = self._to_low
+            return func(*(to_low(a) if isinstance(a, torch.Tensor) else a for a in args))
         if "dtype" in kwargs and isinstance(kwargs["dtype"], torch.dtype) and kwargs["dtype"].is_floating_point:
             return func(*args, **kwargs)  # softmax(x, dtype=torch.float32): the model chose the dtype
         out = kwargs.get("out")
