@@ -110,6 +110,7 @@ def backends_by_name(monkeypatch):
             made.append(self)
 
     monkeypatch.setattr(named_backend, "AmpBackend", Recorded)
+    monkeypatch.setattr(named_backend, "_BACKENDS", {})  # one backend per options: none made before this test
     return made
 
 
