@@ -335,3 +335,16 @@ class BrokenGraph(nn.Module):
         h = torch.tanh(self.first(x))
         torch._dynamo.graph_break()
         return self.second(h)
+
+
+class Broken(nn.Module):
+    """Two layers with a graph break between them: dynamo compiles them in frames of Broken.forward's own code."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.first(x)
+        torch._dynamo.graph_break()
+        return self.second(h)

@@ -18,6 +18,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import graphamp
 import models
+from models import Broken
 from conftest import CompiledCodeRecorder, FrontEnd
 from graphamp.inspection.recording import DtypeRecorder
 
@@ -326,17 +327,6 @@ def test_a_shallow_copy_is_converted_on_its_own_and_shares_the_parameters(bf16):
     with CompiledCodeRecorder() as recorder:
         model(torch.randn(4, 16))
     assert low_and_fp32(recorder) == (2, 0)
-
-
-class Broken(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 8)
-
-    def forward(self, x):
-        h = self.first(x)
-        torch._dynamo.graph_break()
-        return self.second(h)
 
 
 def test_by_name_a_black_module_pattern_matching_after_a_graph_break_is_not_reported_unmatched():

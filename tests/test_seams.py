@@ -21,7 +21,7 @@ import graphamp
 from conftest import CompiledCodeRecorder
 from graphamp.frontends.rewrite import TORCH_ISOLATES_RECOMPILES
 from encoder_models import ENCODERS
-from models import VOCAB, bert, deberta_v2, gpt2, llama, token_batch
+from models import VOCAB, Broken, bert, deberta_v2, gpt2, llama, token_batch
 
 pytestmark = pytest.mark.filterwarnings("ignore:this CPU has no native bfloat16")
 
@@ -205,19 +205,6 @@ class TwoPaths(nn.Module):
 def test_a_model_whose_white_ops_all_run_in_graphs_gets_no_report(bf16):
     model = graphamp.rewrite(QuantizedMLP(), amp_lists=bf16)
     assert not graphamp_warnings(lambda: [model(torch.randn(4, 16)) for _ in range(3)])
-
-
-class Broken(nn.Module):
-    """Two layers with a graph break between them: dynamo compiles them in frames of Broken.forward's own code."""
-
-    def __init__(self):
-        super().__init__()
-        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 8)
-
-    def forward(self, x):
-        h = self.first(x)
-        torch._dynamo.graph_break()
-        return self.second(h)
 
 
 def test_more_models_of_a_class_with_a_graph_break_than_the_recompile_limit_all_run_low(bf16):
