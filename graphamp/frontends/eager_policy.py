@@ -30,7 +30,7 @@ from torch._ops import OpOverload, OpOverloadPacket
 from torch.overrides import TorchFunctionMode
 
 from graphamp.errors import ArgumentError, DoubleAmpError
-from graphamp.policy.aten_ops import FP32_ACCUMULATING_OPS, NORM_OPS, SAME_DTYPE_OPS
+from graphamp.policy.aten_ops import NORM_OPS, SAME_DTYPE_OPS
 from graphamp.policy.cast_rule import cast_target
 from graphamp.policy.config import AmpConfig, check_level, is_normalization_module
 from graphamp.policy.dtypes import HALF_DTYPES
@@ -252,8 +252,6 @@ class EagerPolicy(TorchFunctionMode):
                 return args, kwargs
             if rule.dtype_argument and "dtype" not in kwargs:
                 return args, {**kwargs, "dtype": torch.float32}  # the kernel reads low X and computes in float32
-            if rule.op in NORM_OPS and rule.op in FP32_ACCUMULATING_OPS:
-                return args, kwargs
         skip = self._model.kept_fp32 if target == self.low else ()
         cast = self._caster(target, skip)
         return _map_inputs(args, kwargs, rule, cast)
