@@ -36,6 +36,16 @@ class Workload:
     def loss(self, output, target) -> torch.Tensor:
         return output.loss if target is None else F.cross_entropy(output, target)
 
+    def own_loss(self, net, inputs: dict, target) -> torch.Tensor:
+        """The loop that computes its own loss from what the model returns (the logits, for a language model)."""
+        if target is not None:
+            return F.cross_entropy(net(**inputs), target)
+        labels = inputs["labels"]
+        logits = net(**{k: v for k, v in inputs.items() if k != "labels"}).logits
+        if "attention_mask" not in inputs:  # a decoder: each position predicts the next token
+            logits, labels = logits[:, :-1], labels[:, 1:]
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
 
 BATCHES = 4
 
@@ -130,7 +140,26 @@ def resnet50(size: str) -> Workload:
     return Workload(ResNet50(), batches, s["batch"], "images")
 
 
-WORKLOADS = {"gpt2": gpt2, "bert": bert, "resnet50": resnet50}
+def llama(size: str) -> Workload:
+    """A Llama-shaped decoder (RMSNorm, rotary positions, SwiGLU) with a 32k vocabulary, as real ones have: the
+    logits are then the largest activation of the step."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    s = TRANSFORMER_SIZES[size]
+    config = LlamaConfig(
+        num_hidden_layers=s["layers"], hidden_size=s["width"], num_attention_heads=s["heads"],
+        num_key_value_heads=s["heads"], intermediate_size=(8 * s["width"]) // 3, vocab_size=max(s["vocab"], 32000)
+        if size != "tiny" else s["vocab"], max_position_embeddings=s["seq"], use_cache=False,
+        attn_implementation="sdpa",
+    )
+    batches = []
+    for _ in range(BATCHES):
+        ids = torch.randint(0, config.vocab_size, (s["batch"], s["seq"]))
+        batches.append(({"input_ids": ids, "labels": ids}, None))
+    return Workload(LlamaForCausalLM(config), batches, s["batch"] * s["seq"], "tokens")
+
+
+WORKLOADS = {"gpt2": gpt2, "bert": bert, "resnet50": resnet50, "llama": llama}
 
 
 def build(name: str, size: str, device: str) -> Workload:

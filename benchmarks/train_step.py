@@ -36,8 +36,9 @@ from pathlib import Path
 import torch
 
 MODES = ["fp32", "autocast", "autocast+compile", "auto_cast", "graphamp", "graphamp+compile"]
-MODELS = ["gpt2", "bert", "resnet50"]
+MODELS = ["gpt2", "bert", "resnet50", "llama"]
 RESULT_PREFIX = "BENCHMARK-RESULT "
+LOOP_STYLES = ("held", "loss", "own")
 # Dense bf16 tensor-core peaks from the vendors' data sheets, for model-FLOPs utilisation (first match wins).
 BF16_PEAK_FLOPS = [("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12), ("L4", 121e12)]
 
@@ -106,10 +107,18 @@ def measure(model_name: str, mode: str, dtype_name: str, device: str, steps: int
 
     next_batch = itertools.cycle(batches).__next__
 
+    loop_style = options.get("loop_style", "held")
+
     def forward_backward():
         inputs, target = next_batch()
         with autocast():
-            loss = workload.loss(net(**inputs), target)
+            if loop_style == "own":
+                loss = workload.own_loss(net, inputs, target)
+            elif loop_style == "loss" and target is None:
+                loss = net(**inputs).loss  # the output is dropped at once: only the loss is kept
+            else:
+                output = net(**inputs)  # held until backward is done, as `out = model(**batch)` is
+                loss = workload.loss(output, target)
         if isinstance(optimizer, graphamp.OptimizerWithMixedPrecision):
             optimizer.backward(loss)
         else:
@@ -214,6 +223,7 @@ def run_child(args, model_name: str, mode: str, dtype_name: str) -> dict:
         "--micro-batches", str(args.micro_batches),
     ]
     command += ["--size", args.size] if args.size else []
+    command += ["--loop-style", args.loop_style]
     command += ["--fused"] * args.fused + ["--profile"] * args.profile
     command += ["--compile-mode", args.compile_mode] if args.compile_mode else []
     command += ["--trace-dir", str(args.trace_dir)] if args.trace_dir else []
@@ -305,6 +315,7 @@ def _options_line(args) -> str:
     said = [f"{args.micro_batches} micro-batches per step" if args.micro_batches > 1 else ""]
     said += ["fused AdamW" if args.fused else ""]
     said += [f"compile mode {args.compile_mode}" if args.compile_mode else ""]
+    said += [{"held": "", "loss": "loop keeps only the loss", "own": "loop computes its own loss"}[args.loop_style]]
     said = [s for s in said if s]
     return f"Options: {', '.join(said)}. " if said else ""
 
@@ -351,6 +362,9 @@ def main() -> None:
     parser.add_argument("--weight-cache", "--low-outputs", dest="gone", action="append_const", const=True,
                         help=argparse.SUPPRESS)
     parser.add_argument("--compile-mode", help='torch.compile mode= of the +compile modes, e.g. "reduce-overhead"')
+    parser.add_argument("--loop-style", choices=LOOP_STYLES, default="held",
+                        help="held: `out = model(**batch)` kept through backward; loss: `model(**batch).loss` only; "
+                             "own: the loop's own cross_entropy on the logits the model returns")
     parser.add_argument("--profile", action="store_true", help="also a table of where the time goes (torch.profiler)")
     parser.add_argument("--trace-dir", type=Path, help="with --profile: a Chrome trace per (model, mode, dtype) here")
     parser.add_argument("--child", nargs=3, metavar=("MODEL", "MODE", "DTYPE"), help=argparse.SUPPRESS)
@@ -363,7 +377,7 @@ def main() -> None:
     if args.child:
         options = {
             "micro_batches": args.micro_batches, "fused": args.fused, "compile_mode": args.compile_mode,
-            "profile": args.profile, "trace_dir": args.trace_dir, "size": args.size,
+            "profile": args.profile, "trace_dir": args.trace_dir, "size": args.size, "loop_style": args.loop_style,
         }
         if args.trace_dir:
             args.trace_dir.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,7 @@ from graphamp.errors import (
 from graphamp.frontends.compile_backend import AmpBackend, backend
 from graphamp.frontends.eager_policy import auto_cast
 from graphamp.frontends.export_program import export_program
+from graphamp.frontends.low_storage import LowStorageTensor, stored_values
 from graphamp.frontends.rewrite import rewrite, rewritten_graphs
 from graphamp.inspection.export_files import export
 from graphamp.passes.cast_pass import RewriteReport
@@ -38,6 +39,7 @@ __all__ = [
     "GraphampError",
     "ListFileError",
     "LossScaler",
+    "LowStorageTensor",
     "LossScalingError",
     "OptimizerWithMixedPrecision",
     "RewriteError",
@@ -52,4 +54,5 @@ __all__ = [
     "export_program",
     "rewrite",
     "rewritten_graphs",
+    "stored_values",
 ]

@@ -21,6 +21,7 @@ from torch.fx import GraphModule
 from graphamp.errors import ArgumentError, DoubleAmpError
 from graphamp.frontends.eager_policy import policy_lifted
 from graphamp.frontends.lowering import to_aten
+from graphamp.frontends.low_storage import LowStorageTensor, graph_inputs, presented_as_float32
 from graphamp.frontends.module_paths import ModulePaths
 from graphamp.passes import run_passes
 from graphamp.passes.cast_pass import RewriteReport
@@ -132,12 +133,12 @@ class AmpBackend:
         refuse_autocast_inside(gm)
         timings = {}
         start = time.perf_counter()
-        aten_graph = to_aten(gm, example_inputs, len(self.graphs))
+        aten_graph, traced_inputs = to_aten(gm, example_inputs, len(self.graphs))
         paths = self._module_paths.name_graph(gm, aten_graph, example_inputs)
         original_code = aten_graph.print_readable(print_output=False)
         timings["lower to ATen"] = time.perf_counter() - start
         start = time.perf_counter()
-        report = run_passes(aten_graph, self.config, frozenset(paths.state), timings)
+        report = run_passes(aten_graph, self.config, frozenset(paths.state), timings, outputs_stay_low=True)
         timings["passes"] = time.perf_counter() - start
         graph = BackendGraph(aten_graph, report, original_code, paths.state, timings)
         self.graphs.append(graph)
@@ -154,7 +155,9 @@ class AmpBackend:
 
         start = time.perf_counter()
         patches = {**(list_mode_options(mode) if mode else {}), **self.inductor_options, **(options or {})}
-        compiled = compile_fx(aten_graph, example_inputs, config_patches=patches or None)
+        # Another graph's low outputs go in as their storage, faked as to_aten traced them (their sizes are the inputs')
+        inputs = [traced if isinstance(v, LowStorageTensor) else v for v, traced in zip(example_inputs, traced_inputs)]
+        compiled = compile_fx(aten_graph, inputs, config_patches=patches or None)
         timings["inductor"] = time.perf_counter() - start
         return self._runner(graph, compiled, reuse_check)
 
@@ -162,14 +165,19 @@ class AmpBackend:
         def call(*args):
             if reuse_check is not None:
                 reuse_check(args)
+            args = graph_inputs(args)  # another graph's low outputs go in as their storage (to_aten)
             self.graph_runs += 1
             graph.runs += 1
             self._module_paths.graph_ran(graph.runs)
             optimizer = self.linked_optimizer
-            with policy_lifted():  # the graph holds its casts: graphamp's eager policy leaves its calls alone
+            # The graph holds its casts: graphamp's eager policy leaves its calls alone, and no torch-function mode
+            # sees the fx code's ATen calls one by one (dynamo traced the modes; inductor's kernels skip them too).
+            with policy_lifted(), torch._C.DisableTorchFunction():
                 if optimizer is None or not torch.is_grad_enabled():
-                    return run(*args)
-                return optimizer._run_graph(run, args)  # the loss scaling inside the graph (training/in_graph_scaling)
+                    outputs = run(*args)
+                else:
+                    outputs = optimizer._run_graph(run, args)  # the loss scaling inside the graph (in_graph_scaling)
+            return _presented(outputs, graph.report.outputs_kept_low)
 
         return call
 
@@ -187,6 +195,16 @@ class AmpBackend:
             f"graphamp.backend(dtype={self.amp_lists.dtype_name}, level={self.level}, inductor={self.inductor}, "
             f"graphs={len(self.graphs)})"
         )
+
+
+def _presented(outputs, kept_low: list[int]):
+    """The graph's outputs, those the model's call returns low (cast pass: outputs_kept_low) as float32 tensors."""
+    if not kept_low:
+        return outputs
+    outputs = list(outputs)
+    for i, shown in zip(kept_low, presented_as_float32([outputs[i] for i in kept_low])):
+        outputs[i] = shown
+    return outputs
 
 
 def refuse_outer_autocast(tensors, what: str) -> None:

@@ -23,18 +23,26 @@ from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from graphamp.errors import CaptureError
+from graphamp.frontends.low_storage import LowStorageTensor, example_of_storage
+from graphamp.passes.cast_pass import INPUT_UPCAST
 
 __all__ = ["to_aten"]
 
 _AUTOGRAD_FUNCTION = getattr(torch.ops.higher_order, "autograd_function_apply", None)
 
 
-def to_aten(gm: GraphModule, example_inputs: list, index: int = 0) -> GraphModule:
-    """Dynamo's graph `gm` as a pre-autograd ATen graph with the same flat inputs and outputs."""
+def to_aten(gm: GraphModule, example_inputs: list, index: int = 0) -> tuple[GraphModule, list]:
+    """Dynamo's graph `gm` as a pre-autograd ATen graph with the same flat inputs and outputs, and the fake inputs
+    it was traced on. An input that is a LowStorageTensor (another graph's low output) becomes its low storage,
+    upcast where the graph starts (the cast pass takes that upcast for one of its own casts)."""
     fake_mode, fake_inputs = _fake_inputs(gm, example_inputs)
     _give_checkpoints_their_policy(gm)
+    low = [i for i, value in enumerate(example_inputs) if isinstance(value, LowStorageTensor)]
 
     def run(*args):
+        args = list(args)
+        for i in low:
+            args[i] = torch.ops.aten._to_copy.default(args[i], dtype=torch.float32)
         with fx_traceback.preserve_node_meta():  # each new node takes the meta of the dynamo node it came from
             return _Lowering(gm).run(*args)
 
@@ -51,7 +59,11 @@ def to_aten(gm: GraphModule, example_inputs: list, index: int = 0) -> GraphModul
         ) from error
     finally:
         fake_mode.allow_non_fake_inputs = allowed
-    return _autocast_regions_as_higher_order_ops(aten_graph)
+    placeholders = aten_graph.graph.find_nodes(op="placeholder")
+    for i in low:
+        upcast = next(u for u in placeholders[i].users if u.target is torch.ops.aten._to_copy.default)
+        upcast.meta[INPUT_UPCAST] = True
+    return _autocast_regions_as_higher_order_ops(aten_graph), fake_inputs
 
 
 class _Lowering(torch.fx.Interpreter):
@@ -158,7 +170,8 @@ def _fake_inputs(gm: GraphModule, example_inputs: list):
             # The symbolic context dynamo made for this very tensor: its dynamic dims map to the same symbols.
             symbolic_context = symbolic.get(value) if symbolic else None
             source = getattr(symbolic_context, "tensor_source", None)
-            return fake_mode.from_tensor(value, symbolic_context=symbolic_context, source=source)
+            # A LowStorageTensor is faked whole (its storage's sizes are its own), then traced as that storage.
+            return example_of_storage(fake_mode.from_tensor(value, symbolic_context=symbolic_context, source=source))
         traced = node.meta.get("example_value") if node is not None else None
         return traced if isinstance(value, int) and isinstance(traced, torch.SymInt) else value
 

@@ -7,6 +7,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from graphamp.frontends.low_storage import stored_values
+
 __all__ = ["saved_activation_bytes"]
 
 
@@ -24,7 +26,7 @@ def saved_activation_bytes(model: nn.Module, run: Callable[[], torch.Tensor]) ->
     storages: dict[int, int] = {}
 
     def pack(tensor: torch.Tensor):
-        storage = tensor.untyped_storage()
+        storage = stored_values(tensor).untyped_storage()  # a LowStorageTensor holds its low values
         storages[storage.data_ptr()] = storage.nbytes()
         return tensor
 

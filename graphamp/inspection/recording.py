@@ -13,6 +13,8 @@ from torch._higher_order_ops.cond import cond_op
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from graphamp.frontends.low_storage import upcasts_of
+
 __all__ = ["DtypeRecorder", "KernelCall", "floating", "recording_inside"]
 
 
@@ -31,6 +33,8 @@ class DtypeRecorder(TorchDispatchMode):
         self.calls: list[KernelCall] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for stored in upcasts_of(func, args, kwargs or {}):  # a LowStorageTensor read: its upcast runs below here
+            self.calls.append(KernelCall("_to_copy", (stored,), (torch.float32,)))
         out = func(*args, **(kwargs or {}))
         self.calls.append(
             KernelCall(

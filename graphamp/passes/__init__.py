@@ -3,7 +3,8 @@
 Every pass edits the graph in place and keeps these true (inductor's fx_passes keep the like):
 - `node.meta["val"]` (shapes and dtypes after the casts) and `node.meta["graphamp"]` (each op's decision and its
   source) of every node;
-- the placeholders, and the number and order of the outputs;
+- the placeholders, and the number and order of the outputs; each output's traced dtype, except where the front
+  end asks for low outputs (insert_casts' outputs_stay_low: it presents them as float32 itself);
 - aliasing: no pass makes inputs or outputs alias that did not in the trace, and outputs that aliased each other or
   an input in the trace still do (AOTAutograd regenerates such views: the graph must say them);
 - a pass removes only nodes it made dead, never a node with side effects another construct needs (vmap's nesting).
@@ -30,7 +31,8 @@ PASSES_AFTER_CASTS = (("grouped_query_attention", attend_grouped_queries),)
 
 
 def run_passes(
-    graph_module: GraphModule, config: AmpConfig, parameters: frozenset[str] = frozenset(), timings: dict | None = None
+    graph_module: GraphModule, config: AmpConfig, parameters: frozenset[str] = frozenset(), timings: dict | None = None,
+    outputs_stay_low: bool = False,
 ) -> RewriteReport:
     """The cast pass ("cast"), then PASSES_AFTER_CASTS, on `graph_module` in place; returns the cast pass's report.
 
@@ -43,12 +45,13 @@ def run_passes(
         config: the lists and level.
         parameters: the placeholder names that are the model's parameters (the O2 rule reads them).
         timings: where to add each pass's seconds, as "pass <name>".
+        outputs_stay_low: the cast pass leaves outputs it computed low as they are (see insert_casts).
     """
     report = None
 
     def cast(gm: GraphModule) -> None:
         nonlocal report
-        report = insert_casts(gm, config, parameters)
+        report = insert_casts(gm, config, parameters, outputs_stay_low)
 
     for name, apply in (("cast", cast), *PASSES_AFTER_CASTS):
         started = time.perf_counter()

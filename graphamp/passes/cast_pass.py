@@ -37,13 +37,15 @@ from graphamp.policy.dtypes import HALF_DTYPES, dtype_name
 from graphamp.policy.kernel_support import runs_low_on
 from graphamp.policy.lists import BLACK, GRAY, WHITE, Decision, op_lookup_keys
 
-__all__ = ["RewriteReport", "insert_casts"]
+__all__ = ["INPUT_UPCAST", "RewriteReport", "insert_casts"]
 
 aten = torch.ops.aten
 # torch.autocast(..., enabled=False) captures as this higher-order op around a sub-graph.
 AUTOCAST_REGION = getattr(torch.ops.higher_order, "wrap_with_autocast", None)
 MODEL_FP32_REGION = "model: autocast(enabled=False)"
 CAST_OP = aten._to_copy.default
+# The meta key the front end sets on its upcast of an input that arrives low and presents float32.
+INPUT_UPCAST = "graphamp_input_upcast"
 
 
 @dataclass
@@ -55,6 +57,8 @@ class RewriteReport:
     decisions: Counter = field(default_factory=Counter)
     unlisted_ops: Counter = field(default_factory=Counter)
     casts_inserted: int = 0
+    # Positions of the outputs left low where the trace had float32 (insert_casts(..., outputs_stay_low=True)).
+    outputs_kept_low: list[int] = field(default_factory=list)
 
     def __str__(self) -> str:
         lines = [
@@ -71,7 +75,8 @@ class RewriteReport:
 
 
 def insert_casts(
-    graph_module: GraphModule, config: AmpConfig, parameters: frozenset[str] = frozenset()
+    graph_module: GraphModule, config: AmpConfig, parameters: frozenset[str] = frozenset(),
+    outputs_stay_low: bool = False,
 ) -> RewriteReport:
     """Rewrite `graph_module` in place for mixed precision and return what was decided.
 
@@ -80,10 +85,12 @@ def insert_casts(
         config: the lists and level.
         parameters: the names of the placeholders that are the model's parameters; under O2 those a
             normalization module reads are never cast down.
+        outputs_stay_low: leave an output low where the pass computed it low (report.outputs_kept_low lists them;
+            the caller presents them as float32), instead of casting it back to its traced dtype.
     """
     report = RewriteReport(dtype=config.dtype, level=config.level)
     fp32 = _normalization_parameters(graph_module, parameters) if config.level == "O2" else frozenset()
-    _CastPass(graph_module, config, report, fp32).run()
+    _CastPass(graph_module, config, report, fp32, outputs_stay_low=outputs_stay_low).run()
     return report
 
 
@@ -117,7 +124,8 @@ def module_path(node: Node) -> str:
 class _CastPass:
     """The walk over one graph; higher-order ops' sub-graphs get a walk of their own."""
 
-    def __init__(self, graph_module, config: AmpConfig, report, fp32_placeholders=frozenset(), fp32_region=False):
+    def __init__(self, graph_module, config: AmpConfig, report, fp32_placeholders=frozenset(), fp32_region=False,
+                 outputs_stay_low=False):
         self.graph_module = graph_module
         self.graph = graph_module.graph
         for node in self.graph.nodes:
@@ -137,6 +145,17 @@ class _CastPass:
         self.casts: dict[tuple[Node, torch.dtype], Node] = {}
         self.cast_source: dict[Node, Node] = {}
         self.recast_reshapes: list[Node] = []  # reshapes remade on a cast of their input (_reshape_of_cast)
+        self.outputs_stay_low = outputs_stay_low
+        # Inputs that arrive low and present float32 (a graph's low output, read by the next graph): the front end
+        # traced their upcast; it is one of the pass's own casts, so a down-cast of it is the input itself.
+        self.input_upcasts = {n for n in self.graph.nodes if n.meta.get(INPUT_UPCAST)}
+        self.low_inputs = {n.args[0] for n in self.input_upcasts}
+        for upcast in self.input_upcasts:
+            self.cast_source[upcast] = upcast.args[0]
+            self.casts[(upcast.args[0], torch.float32)] = upcast
+            self.traced_dtype[upcast.args[0]] = torch.float32  # the FP32 model's value
+            upcast.meta["graphamp"] = {"decision": Decision.INSERTED_CAST, "source": "float32 of a low input",
+                                       "module": ""}
         self.fake_mode = detect_fake_mode([n.meta.get("val") for n in self.graph.nodes]) or nullcontext()
 
     def run(self) -> None:
@@ -146,6 +165,8 @@ class _CastPass:
             elif node.op == "call_function":
                 if node.target in TRACE_ASSERTS:
                     self.graph.erase_node(node)
+                elif node in self.input_upcasts:
+                    continue
                 elif isinstance(node.target, OpOverload):
                     self._visit_op(node)
                 elif isinstance(node.target, HigherOrderOperator):
@@ -155,6 +176,11 @@ class _CastPass:
         for reshape in self.recast_reshapes:
             if not reshape.users:  # every user took the reshape of the cast instead
                 self.graph.erase_node(reshape)
+        for upcast in self.input_upcasts:  # each reader took the low input itself, or its float32 upcast
+            if upcast.users:
+                self.report.casts_inserted += 1
+            else:
+                self.graph.erase_node(upcast)
         self.graph.lint()
         self.graph_module.recompile()
 
@@ -286,16 +312,35 @@ class _CastPass:
         if replace:
             node.args, node.kwargs = map_arg((node.args, node.kwargs), lambda n: replace.get(n, n))
 
+    def _no_op_in_the_trace(self, node: Node) -> bool:
+        """A `.to()` of the model's that returned its input itself in the trace (already that dtype and device)."""
+        return (
+            node.op == "call_function" and node.target in MODEL_CAST_OPS and node.target is not CAST_OP
+            and node.target is not aten.type_as.default and not _copies(node)
+            and isinstance(node.args[0], Node) and self.traced_dtype.get(node) == self.traced_dtype.get(node.args[0])
+            and getattr(node.meta.get("val"), "device", None) == getattr(node.args[0].meta.get("val"), "device", 0)
+        )
+
     def _restore_traced_dtypes(self, output: Node) -> None:
-        """Each output leaves in its traced dtype. Outputs that shared storage in the trace (a view of another
-        output, two views of one value, a view of an input) are remade as the same views of one restored base, so
-        they leave as aliases again (AOTAutograd regenerates them, fx code returns them); the others are cast."""
+        """Each output leaves in its traced dtype, or, with `outputs_stay_low`, low where the pass computed it low
+        (the front end presents it as float32). Outputs that shared storage in the trace (a view of another output,
+        two views of one value, a view of an input) are remade as the same views of one restored base, so they
+        leave as aliases again (AOTAutograd regenerates them, fx code returns them); the others are cast."""
+        if self.outputs_stay_low:  # `logits.float()` in the model's loss was `logits` itself in the FP32 trace
+            for value in output.all_input_nodes:
+                if self._no_op_in_the_trace(value) or value in self.input_upcasts:
+                    output.replace_input_with(value, value.args[0])
         sharing = Counter(self._storage_root(n) for n in output.all_input_nodes)
         remade: dict[Node, Node] = {}
+        flat = pytree.tree_leaves(output.args[0])
         for value in output.all_input_nodes:
             if not _is_castable(value) or self.traced_dtype.get(value) in (None, node_dtype(value)):
                 continue
             root = self._storage_root(value)
+            computed_low = node_dtype(value) in HALF_DTYPES and self.traced_dtype[value] == torch.float32
+            if self.outputs_stay_low and computed_low and (root.op == "call_function" or root in self.low_inputs):
+                self.report.outputs_kept_low.extend(i for i, p in enumerate(flat) if p is value)
+                continue
             if root.op in ("placeholder", "get_attr") or sharing[root] > 1:
                 output.replace_input_with(value, self._remade_on_restored_base(value, output, remade))
             else:
@@ -474,6 +519,12 @@ def _autocast_enabled(node: Node) -> bool | None:
     if AUTOCAST_REGION is None or node.target is not AUTOCAST_REGION:
         return None
     return bool(node.args[2])
+
+
+def _copies(node: Node) -> bool:
+    """Whether a `.to()` node was asked for a copy (copy=True)."""
+    argument = next((a for a in node.target._schema.arguments if a.name == "copy"), None)
+    return argument is not None and bool(argument_value(node, argument, False))
 
 
 def _dtype_signature(value):

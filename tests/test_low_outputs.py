@@ -1,0 +1,184 @@
+"""A value the cast pass computed low leaves its graph low, presented as float32 (issue 39): the FP32 model's dtype for
+the code after the call, autocast's bytes in memory. What the user's code reads is read upcast; what only moves or
+reshapes it stays low; writes round into it; the next graph takes it low; export_program() keeps float32."""
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import graphamp
+from graphamp.inspection.activation_memory import saved_activation_bytes
+from graphamp.inspection.recording import DtypeRecorder
+from conftest import CompiledCodeRecorder
+from training import relative_error
+
+
+class Head(nn.Module):
+    def __init__(self, classes=16):
+        super().__init__()
+        self.fc = nn.Linear(8, 32)
+        self.head = nn.Linear(32, classes)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.fc(x)))
+
+
+class LossAfterABreak(Head):
+    """The logits cross a graph break into the loss, as GPT-2's do in transformers 5 (its loss_function)."""
+
+    def forward(self, x, y):
+        logits = super().forward(x)
+        torch._dynamo.graph_break()
+        return F.cross_entropy(logits, y), logits
+
+
+class KeepsItsLastHidden(Head):
+    def forward(self, x):
+        self.last_hidden = self.fc(x)
+        return self.head(self.last_hidden)
+
+
+@pytest.fixture
+def head(bf16, seeded):
+    model, x = Head(), torch.randn(4, 8)
+    twin = copy.deepcopy(model)
+    graphamp.rewrite(model, (x,), amp_lists=bf16)
+    return model, twin, x
+
+
+def test_a_low_output_is_float32_to_the_user_and_low_in_memory(head):
+    model, _, x = head
+    out = model(x)
+    assert isinstance(out, graphamp.LowStorageTensor) and out.dtype == torch.float32
+    stored = graphamp.stored_values(out)
+    assert stored.dtype == torch.bfloat16 and stored.shape == out.shape
+    assert torch.equal(out * 1, stored.float())
+    assert graphamp.rewritten_graphs(model)[0].report.outputs_kept_low == [0]
+
+
+def test_the_users_own_loss_reads_it_in_float32_and_trains_as_under_autocast(head):
+    model, twin, x = head
+    y = torch.randint(0, 16, (4,))
+    out = model(x)
+    with DtypeRecorder() as recorder:
+        loss = F.cross_entropy(out, y)
+    assert {c.in_dtypes[0] for c in recorder.calls_of("_log_softmax")} == {torch.float32}
+    assert loss.item() == F.cross_entropy(graphamp.stored_values(out).float(), y).item()
+    loss.backward()
+    with torch.autocast("cpu", torch.bfloat16):
+        F.cross_entropy(twin(x), y).backward()
+    for mine, theirs in zip(model.parameters(), twin.parameters()):
+        assert relative_error(mine.grad, theirs.grad) < 2e-2
+
+
+def test_what_only_moves_or_reshapes_it_stays_low_and_casts_are_exact(head):
+    model, _, x = head
+    out = model(x)
+    stored = graphamp.stored_values(out)
+    for moved in (out[:, :3], out.detach(), out.t(), out.to("cpu"), out.clone(), out.reshape(-1), out.unsqueeze(0)):
+        assert isinstance(moved, graphamp.LowStorageTensor) and moved.dtype == torch.float32
+    low = out.to(torch.bfloat16)
+    assert type(low) is torch.Tensor and torch.equal(low, stored)
+    copied = out.to(dtype=torch.float32, copy=True)  # what HF generate does with the last logits
+    assert type(copied) is torch.Tensor and torch.equal(copied, stored.float())
+    assert out.float() is out  # already float32: torch returns the tensor itself
+
+
+def test_a_write_into_it_rounds_into_its_storage_and_its_views_see_it(head):
+    model, _, x = head
+    with torch.no_grad():
+        out = model(x)
+        view = out[:, :2]
+        expected = graphamp.stored_values(out).clone().add_(0.3).float()  # as into autocast's bfloat16 output
+        out.add_(0.3)
+    assert torch.equal(out * 1, expected)
+    assert torch.equal(view * 1, expected[:, :2])
+
+
+def test_it_leaves_python_as_the_float32_tensor_it_presents(head):
+    model, _, x = head
+    out = model(x)
+    plain = graphamp.stored_values(out).float()
+    assert (out.detach().numpy() == plain.numpy()).all()
+    assert out.tolist() == plain.tolist()
+    assert out[0, 0].item() == plain[0, 0].item()
+    assert "bfloat16" in repr(out)
+    buffer = io.BytesIO()
+    torch.save(out.detach(), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer)
+    assert type(loaded) is torch.Tensor and loaded.dtype == torch.float32 and torch.equal(loaded, plain)
+    assert torch.equal(copy.deepcopy(out.detach()) * 1, plain)
+
+
+def test_a_value_crossing_a_graph_break_stays_low_and_the_next_graph_reads_it_as_float32(bf16, seeded):
+    model, x, y = LossAfterABreak(), torch.randn(4, 8), torch.randint(0, 16, (4,))
+    twin = copy.deepcopy(model)
+    graphamp.rewrite(model, (x, y), amp_lists=bf16)
+    first, second = graphamp.rewritten_graphs(model)[:2]
+    assert first.report.outputs_kept_low  # the logits leave the first graph low
+    with CompiledCodeRecorder() as recorder:  # records what graphamp's graphs run (a plain mode: the eager policy)
+        loss, logits = model(x, y)
+        loss.backward()
+    assert {c.in_dtypes[0] for c in recorder.calls_of("_log_softmax")} == {torch.float32}
+    assert {c.out_dtypes[0] for c in recorder.calls_of("addmm")} == {torch.bfloat16}
+    assert isinstance(logits, graphamp.LowStorageTensor)
+    with torch.autocast("cpu", torch.bfloat16):
+        twin(x, y)[0].backward()
+    for mine, theirs in zip(model.parameters(), twin.parameters()):
+        assert relative_error(mine.grad, theirs.grad) < 2e-2
+
+
+def test_it_saves_for_backward_no_more_than_autocast(bf16, seeded):
+    model, x, y = LossAfterABreak(classes=512), torch.randn(64, 8), torch.randint(0, 512, (64,))
+    twin = copy.deepcopy(model)
+    graphamp.rewrite(model, (x, y), amp_lists=bf16)
+
+    def autocast_loss():
+        with torch.autocast("cpu", torch.bfloat16):
+            return twin(x, y)[0]
+
+    mine = saved_activation_bytes(model, lambda: model(x, y)[0])
+    assert mine <= saved_activation_bytes(twin, autocast_loss)
+
+
+def test_the_model_called_on_its_own_output_takes_it_low_and_trains(bf16, seeded):
+    class Square(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    model, x = Square(), torch.randn(4, 8)
+    twin = copy.deepcopy(model)
+    graphamp.rewrite(model, (x,), amp_lists=bf16)
+    model(model(x)).sum().backward()
+    with torch.autocast("cpu", torch.bfloat16):
+        twin(twin(x)).float().sum().backward()
+    assert relative_error(model.fc.weight.grad, twin.fc.weight.grad) < 2e-2
+
+
+def test_a_compiled_function_of_the_users_takes_it(head):
+    model, _, x = head
+    out = model(x)
+    norm = torch.compile(lambda t: (t * t).sum(-1), backend="aot_eager", fullgraph=True)
+    assert torch.equal(norm(out), (graphamp.stored_values(out).float() ** 2).sum(-1))
+
+
+def test_what_the_model_keeps_on_itself_stays_float32_to_it(bf16, seeded):
+    model, x = KeepsItsLastHidden(), torch.randn(4, 8)
+    graphamp.rewrite(model, (x,), amp_lists=bf16)
+    model(x)
+    assert model.last_hidden.dtype == torch.float32
+
+
+def test_export_program_returns_float32_tensors(bf16, seeded):
+    program = graphamp.export_program(Head(), (torch.randn(4, 8),), amp_lists=bf16)
+    out = program.module()(torch.randn(4, 8))
+    assert type(out) is torch.Tensor and out.dtype == torch.float32
