@@ -249,6 +249,17 @@ def test_unscale_gives_clip_grad_norm_the_true_gradients():
     opt.step()
 
 
+def test_unscale_gives_a_sparse_gradient_its_true_values():
+    embedding, ids = nn.Embedding(10, 4, sparse=True), torch.tensor([1, 3, 3])
+    embedding(ids).sum().backward()
+    expected, embedding.weight.grad = embedding.weight.grad.to_dense(), None
+    opt = graphamp.decorate(torch.optim.SGD(embedding.parameters(), lr=0.1), init_loss_scaling=2.0**10)
+    opt.backward(embedding(ids).sum())
+    opt.unscale_()
+    torch.testing.assert_close(embedding.weight.grad.to_dense(), expected)
+    opt.step()
+
+
 def test_gradient_accumulation_unscales_once_at_step():
     model = small_model()
     opt = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), init_loss_scaling=2.0**10)

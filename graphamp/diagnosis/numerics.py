@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.utils._pytree as pytree
+
+from graphamp.torch_private import pytree
 
 __all__ = ["floating_leaves", "nonfinite_where_finite", "range_in", "relative_error", "unit_roundoff"]
 

@@ -20,8 +20,6 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
-import torch.utils._pytree as pytree
-from torch._ops import HigherOrderOperator, OpOverload
 from torch.fx import GraphModule, Interpreter, Node
 from torch.fx.node import map_arg
 from torch.export.graph_signature import InputKind, OutputKind
@@ -34,6 +32,7 @@ from graphamp.errors import RewriteError
 from graphamp.policy.lists import BLACK, GRAY, WHITE, AutoMixedPrecisionLists, Decision, op_lookup_keys
 from graphamp.policy.config import AmpConfig
 from graphamp.diagnosis.numerics import floating_leaves, nonfinite_where_finite, range_in, relative_error
+from graphamp.torch_private import HigherOrderOperator, OpOverload, pytree
 
 __all__ = ["Comparison", "LIST_DECISIONS", "NodeNumerics", "Probe", "Reference"]
 

@@ -27,6 +27,9 @@ from graphamp.passes import run_passes
 from graphamp.passes.cast_pass import RewriteReport
 from graphamp.policy.config import AmpConfig
 from graphamp.policy.lists import AutoMixedPrecisionLists
+from graphamp.torch_private import (
+    ENTER_AUTOCAST, EXIT_AUTOCAST, compile_with_inductor, generate_code_now, set_dynamo_config, torch_function_off,
+)
 
 __all__ = ["AmpBackend", "BackendGraph", "backend", "configure_dynamo", "refuse_outer_autocast"]
 
@@ -146,18 +149,12 @@ class AmpBackend:
         if not self.inductor:
             # Its code as a function, not a module call: global module hooks (register_module_forward_hook) would
             # otherwise fire on graphamp's GraphModule, a module eager never calls.
-            from torch.fx._lazy_graph_module import _LazyGraphModule
-
-            _LazyGraphModule.force_recompile(aten_graph)
+            generate_code_now(aten_graph)
             return self._runner(graph, aten_graph.forward, reuse_check)
-        from torch._inductor import list_mode_options
-        from torch._inductor.compile_fx import compile_fx  # imported late: inductor takes seconds to import
-
         start = time.perf_counter()
-        patches = {**(list_mode_options(mode) if mode else {}), **self.inductor_options, **(options or {})}
         # Another graph's low outputs go in as their storage, faked as to_aten traced them (their sizes are the inputs')
         inputs = [traced if isinstance(v, LowStorageTensor) else v for v, traced in zip(example_inputs, traced_inputs)]
-        compiled = compile_fx(aten_graph, inputs, config_patches=patches or None)
+        compiled = compile_with_inductor(aten_graph, inputs, mode, {**self.inductor_options, **(options or {})})
         timings["inductor"] = time.perf_counter() - start
         return self._runner(graph, compiled, reuse_check)
 
@@ -172,7 +169,7 @@ class AmpBackend:
             optimizer = self.linked_optimizer
             # The graph holds its casts: graphamp's eager policy leaves its calls alone, and no torch-function mode
             # sees the fx code's ATen calls one by one (dynamo traced the modes; inductor's kernels skip them too).
-            with policy_lifted(), torch._C.DisableTorchFunction():
+            with policy_lifted(), torch_function_off():
                 if optimizer is None or not torch.is_grad_enabled():
                     outputs = run(*args)
                 else:
@@ -231,7 +228,7 @@ def refuse_autocast_inside(gm: GraphModule) -> None:
     two AMP systems as an outer region, with no outer region to see. accelerate's mixed_precision (and so the HF
     Trainer's bf16=True/fp16=True) wraps the model's forward in it. A region that turns autocast off is the model's
     own FP32 choice, and one turned on again inside it follows graphamp's lists (docs/numerics.md): both stay."""
-    enter, leave = torch.amp.autocast_mode._enter_autocast, torch.amp.autocast_mode._exit_autocast
+    enter, leave = ENTER_AUTOCAST, EXIT_AUTOCAST
     for graph_module in (m for m in gm.modules() if isinstance(m, GraphModule)):
         enabled_by_region = {}
         disabled_around = 0
@@ -258,5 +255,4 @@ def configure_dynamo() -> None:
     """Dynamo settings graphamp's eager-semantics promise needs, process-wide (documented in docs/backend.md):
     hooks registered after the first call are guarded on (by default dynamo would never run them), and RNN
     modules are traced (by default dynamo runs nn.LSTM/GRU eagerly, outside any graph, in FP32)."""
-    torch._dynamo.config.skip_nnmodule_hook_guards = False
-    torch._dynamo.config.allow_rnn = True
+    set_dynamo_config(skip_nnmodule_hook_guards=False, allow_rnn=True)

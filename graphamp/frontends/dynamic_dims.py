@@ -18,14 +18,11 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.utils._pytree as pytree
-from torch.fx.experimental import _config as shapes_config
 from torch.fx.experimental.symbolic_shapes import constrain_range
 
-__all__ = ["automatic_dynamic_dims", "size_oblivious", "sizes_from_one"]
+from graphamp.torch_private import DYNAMIC_DIM_MARKERS, mark_dim_dynamic, pytree, size_oblivious_tracing
 
-# Where torch._dynamo.maybe_mark_dynamic records a tensor's dims (left on a tensor, they fail compiled guards).
-_MARKERS = ("_dynamo_weak_dynamic_indices", "_has_dynamo_dim_marking")
+__all__ = ["automatic_dynamic_dims", "size_oblivious", "sizes_from_one"]
 
 
 @contextlib.contextmanager
@@ -37,18 +34,18 @@ def automatic_dynamic_dims(tree):
     the caller's tensors afterwards.
     """
     tensors = [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.dim() > 0]
-    saved = [{name: t.__dict__[name] for name in _MARKERS if name in t.__dict__} for t in tensors]
+    saved = [{name: t.__dict__[name] for name in DYNAMIC_DIM_MARKERS if name in t.__dict__} for t in tensors]
     for tensor in tensors:
         for dim, size in enumerate(tensor.shape):
             # A dim of 0 or 1 stays static: traced size-oblivious, a 1 would not broadcast, and a 0 tells nothing.
             if size > 1:
-                torch._dynamo.maybe_mark_dynamic(tensor, dim)
+                mark_dim_dynamic(tensor, dim)
     try:
         with size_oblivious():
             yield
     finally:
         for tensor, markers in zip(tensors, saved):
-            for name in _MARKERS:
+            for name in DYNAMIC_DIM_MARKERS:  # left on a tensor, they fail compiled guards
                 tensor.__dict__.pop(name, None)
             tensor.__dict__.update(markers)
 
@@ -56,9 +53,8 @@ def automatic_dynamic_dims(tree):
 def size_oblivious(dynamic: bool = True):
     """While a dynamic graph is traced: torch answers "is this size 1?" with "no" instead of adding a guard that
     would keep a batch of 1 out of the graph."""
-    if dynamic and hasattr(shapes_config, "backed_size_oblivious"):
-        return shapes_config.patch(backed_size_oblivious=True)
-    return contextlib.nullcontext()  # a static graph, or an older torch: sizes 1 specialize, each a capture
+    # A static graph, or an older torch (size_oblivious_tracing is then a null context): sizes 1 specialize.
+    return size_oblivious_tracing() if dynamic else contextlib.nullcontext()
 
 
 def sizes_from_one(graph_module: torch.fx.GraphModule) -> None:

@@ -26,7 +26,6 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from torch._ops import OpOverload, OpOverloadPacket
 from torch.overrides import TorchFunctionMode
 
 from graphamp.errors import ArgumentError, DoubleAmpError
@@ -36,7 +35,10 @@ from graphamp.policy.config import AmpConfig, check_level, is_normalization_modu
 from graphamp.policy.dtypes import HALF_DTYPES
 from graphamp.policy.kernel_support import runs_low_on
 from graphamp.policy.lists import BLACK, GRAY, WHITE, AutoMixedPrecisionLists, Decision
-from graphamp.torch_private import dynamo_traces_this_thread, never_a_frame_of_its_own, tracing_on_fake_tensors
+from graphamp.torch_private import (
+    OpOverload, OpOverloadPacket, dynamo_traces_this_thread, never_a_frame_of_its_own, op_schema, qualified_op_name,
+    tensor_version, tracing_on_fake_tensors,
+)
 
 __all__ = ["EagerPolicy", "ModelFacts", "auto_cast", "policy_lifted", "rules_for"]
 
@@ -113,8 +115,7 @@ def _op_name(function) -> str | None:
     """The ATen op (packet) name of a torch callable, or None if it is no op: `__radd__` is 'add', `__iadd__`
     'add_', torch._C._nn.linear 'linear', torch.ops.mylib.op 'mylib::op'."""
     if isinstance(function, (OpOverload, OpOverloadPacket)):
-        namespace, _, name = (function._schema.name if isinstance(function, OpOverload) else function._qualified_op_name
-                              ).partition("::")
+        namespace, _, name = qualified_op_name(function).partition("::")
         return name if namespace == "aten" else f"{namespace}::{name}"
     name = getattr(function, "__name__", None)
     if not isinstance(name, str):
@@ -143,7 +144,7 @@ def _aten_packet(name: str):
 
 
 def _schemas(packet) -> list:
-    return [getattr(packet, overload)._schema for overload in packet.overloads()]
+    return [op_schema(getattr(packet, overload)) for overload in packet.overloads()]
 
 
 class EagerPolicy(TorchFunctionMode):
@@ -267,10 +268,10 @@ class EagerPolicy(TorchFunctionMode):
                 return tensor  # only float32 is cast down, as torch.autocast does; O2's norm parameters stay
             if tensor.is_leaf and tensor.requires_grad:  # a weight: cast once per context, as torch.autocast
                 cached = self._weight_casts.get(id(tensor))
-                if cached is not None and cached[0] is tensor and cached[1] == (tensor._version, target):
+                if cached is not None and cached[0] is tensor and cached[1] == (tensor_version(tensor), target):
                     return cached[2]
                 result = tensor.to(target)
-                self._weight_casts[id(tensor)] = (tensor, (tensor._version, target), result)
+                self._weight_casts[id(tensor)] = (tensor, (tensor_version(tensor), target), result)
                 return result
             return tensor.to(target)
 

@@ -16,7 +16,6 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 from torch.export import ExportedProgram
 from torch.export.graph_signature import TensorArgument
@@ -29,6 +28,7 @@ from graphamp.passes import run_passes
 from graphamp.policy.config import check_entry_arguments
 from graphamp.policy.list_files import default_lists_dir
 from graphamp.policy.lists import read_promote_ops
+from graphamp.torch_private import pytree
 
 __all__ = ["capture_program", "explain_capture_failure", "export_program", "rewrite_program"]
 

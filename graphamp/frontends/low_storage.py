@@ -14,9 +14,10 @@ float32 copy for the op and free it after, so concurrent readers share nothing m
 from __future__ import annotations
 
 import torch
-import torch.utils._pytree as pytree
 
-from graphamp.torch_private import never_a_frame_of_its_own
+from graphamp.torch_private import (
+    disabled_torch_function_impl, make_wrapper_subclass, never_a_frame_of_its_own, op_schema, pytree, view_base,
+)
 
 __all__ = [
     "LowStorageTensor", "example_of_storage", "graph_inputs", "presented_as_float32", "stored_values", "upcasts_of",
@@ -42,15 +43,12 @@ class LowStorageTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, stored: torch.Tensor):
-        return torch.Tensor._make_wrapper_subclass(
-            cls, stored.shape, strides=stored.stride(), storage_offset=stored.storage_offset(),
-            dtype=torch.float32, device=stored.device, requires_grad=False,
-        )
+        return make_wrapper_subclass(cls, stored, torch.float32)
 
     def __init__(self, stored: torch.Tensor):
         self._stored = stored
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = disabled_torch_function_impl
 
     @classmethod
     @never_a_frame_of_its_own  # runs eagerly between graphs: dynamo must not compile it as a frame of its own
@@ -66,7 +64,7 @@ class LowStorageTensor(torch.Tensor):
                 return func(first._stored, **kwargs)
             if target is None:  # .to(device): moves, stays low
                 return LowStorageTensor(func(first._stored, **kwargs))
-        if func._schema.is_mutable:  # a write into one: rounded into its storage, as into a low tensor
+        if op_schema(func).is_mutable:  # a write into one: rounded into its storage, as into a low tensor
             return _written(func, args, kwargs)
         return func(*pytree.tree_map_only(LowStorageTensor, _upcast, args),
                     **pytree.tree_map_only(LowStorageTensor, _upcast, kwargs))
@@ -102,8 +100,8 @@ def upcasts_of(func, args: tuple, kwargs: dict) -> list[torch.dtype]:
     if not shown or (isinstance(first, LowStorageTensor) and (
             func in _STORAGE_OPS or func is aten._to_copy.default and kwargs.get("dtype") in (None, first._stored.dtype))):
         return []
-    if func._schema.is_mutable:
-        schema = func._schema.arguments
+    if op_schema(func).is_mutable:
+        schema = op_schema(func).arguments
         writes = {a.name for a in schema if a.alias_info is not None and a.alias_info.is_write}
         written = [v for a, v in [*zip(schema, args), *((_Named(n), v) for n, v in kwargs.items())] if a.name in writes]
         shown = [t for t in shown if not any(t is w for w in written)]
@@ -121,7 +119,7 @@ def _upcast(tensor: LowStorageTensor) -> torch.Tensor:
 
 def _written(func, args: tuple, kwargs: dict):
     """A mutating op: the LowStorageTensors it writes are replaced by their storage, those it reads upcast."""
-    schema = func._schema.arguments
+    schema = op_schema(func).arguments
     writes = {a.name for a in schema if a.alias_info is not None and a.alias_info.is_write}
     targets = {}
 
@@ -159,7 +157,7 @@ def presented_as_float32(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     shown: dict[int, torch.Tensor] = {}
     result = []
     for tensor in tensors:
-        base = tensor._base if tensor._base is not None else tensor
+        base = view_base(tensor) if view_base(tensor) is not None else tensor
         if id(base) not in shown:
             shown[id(base)] = _PresentAsFloat32.apply(base) if base.requires_grad else LowStorageTensor(base)
         whole = shown[id(base)]

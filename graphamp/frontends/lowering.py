@@ -13,18 +13,20 @@ Each node keeps dynamo's `nn_module_stack` (module_paths.py turns its paths into
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
 import torch.fx.traceback as fx_traceback
-import torch.utils._pytree as pytree
 from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from graphamp.errors import CaptureError
 from graphamp.frontends.low_storage import LowStorageTensor, example_of_storage
 from graphamp.passes.cast_pass import INPUT_UPCAST
+from graphamp.torch_private import (
+    ENTER_AUTOCAST, FakeTensor, FakeTensorMode, default_checkpoint_context_fn, detect_fake_mode, pytree,
+    recording_functorch_transforms, register_sub_graph, trace_inside_make_fx, tracing_context, wrap_autocast_regions,
+)
 
 __all__ = ["to_aten"]
 
@@ -49,7 +51,7 @@ def to_aten(gm: GraphModule, example_inputs: list, index: int = 0) -> tuple[Grap
     allowed = fake_mode.allow_non_fake_inputs
     fake_mode.allow_non_fake_inputs = True  # tensors the graph holds as attributes (get_attr) become constants
     try:
-        with fake_mode, _recording_functorch_transforms():
+        with fake_mode, recording_functorch_transforms():
             aten_graph = make_fx(run, pre_dispatch=True)(*fake_inputs)
     except Exception as error:
         raise CaptureError(
@@ -81,19 +83,16 @@ def _trace_autograd_function(forward: GraphModule, backward: GraphModule, *args,
     make_fx would run the Function's forward (traced by dynamo under no_grad) op by op and its outputs would
     carry no gradient back: every parameter before it would get none.
     """
-    from torch._higher_order_ops.utils import reenter_make_fx, unique_graph_id
     from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode, track_tensor_tree
 
     mode = get_proxy_mode()
-    forward_aten = reenter_make_fx(_interpreted(forward))(*args)
+    forward_aten = trace_inside_make_fx(_interpreted(forward))(*args)
     with disable_proxy_modes_tracing():
         outputs, saved = _interpreted(forward_aten)(*args)
         gradients = pytree.tree_map_only(torch.Tensor, torch.empty_like, outputs)
-    backward_aten = reenter_make_fx(_interpreted(backward))(*pytree.tree_leaves(gradients), *saved)
-    _, forward_name = unique_graph_id(mode, prefix="autograd_function_forward")
-    _, backward_name = unique_graph_id(mode, prefix="autograd_function_backward")
-    mode.tracer.root.register_module(forward_name, forward_aten)
-    mode.tracer.root.register_module(backward_name, backward_aten)
+    backward_aten = trace_inside_make_fx(_interpreted(backward))(*pytree.tree_leaves(gradients), *saved)
+    register_sub_graph(mode, "autograd_function_forward", forward_aten)
+    register_sub_graph(mode, "autograd_function_backward", backward_aten)
     proxy_args = pytree.tree_map(mode.tracer.unwrap_proxy, (forward_aten, backward_aten, *args))
     proxy_kwargs = pytree.tree_map(mode.tracer.unwrap_proxy, kwargs)
     proxy = mode.tracer.create_proxy("call_function", _AUTOGRAD_FUNCTION, proxy_args, proxy_kwargs)
@@ -106,29 +105,12 @@ def _interpreted(graph_module: GraphModule):
     return lambda *args: torch.fx.Interpreter(graph_module).run(*args)
 
 
-@contextlib.contextmanager
-def _recording_functorch_transforms():
-    """functorch's pre-dispatch wrappers (`_add_batch_dim`, `_vmap_increment_nesting`) record themselves in the
-    graph only while torch says it is exporting; traced otherwise, they would batch the tracer's own tensors."""
-    exporting = torch.compiler._is_exporting_flag
-    torch.compiler._is_exporting_flag = True
-    try:
-        yield
-    finally:
-        torch.compiler._is_exporting_flag = exporting
-
-
 def _autocast_regions_as_higher_order_ops(aten_graph: GraphModule) -> GraphModule:
     """`with torch.autocast(..., enabled=False)` in the model traces as enter/exit calls; torch.export's own pass
     wraps each region in the wrap_with_autocast op, whose body the cast pass keeps as the model wrote it."""
-    enter = torch.amp.autocast_mode._enter_autocast
-    if not aten_graph.graph.find_nodes(op="call_function", target=enter):
+    if not aten_graph.graph.find_nodes(op="call_function", target=ENTER_AUTOCAST):
         return aten_graph
-    try:  # a private module of torch.export's: without it the regions are cast like the rest
-        from torch._export.passes.replace_autocast_with_hop_pass import replace_autocast_with_hop_pass
-    except ImportError:
-        return aten_graph
-    return replace_autocast_with_hop_pass(aten_graph, None)[0]
+    return wrap_autocast_regions(aten_graph)  # a torch without the pass: the regions are cast like the rest
 
 
 def _give_checkpoints_their_policy(gm: GraphModule) -> None:
@@ -140,9 +122,7 @@ def _give_checkpoints_their_policy(gm: GraphModule) -> None:
     checkpoint_op = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
     for node in gm.graph.find_nodes(op="call_function", target=checkpoint_op) if checkpoint_op else []:
         body = getattr(gm, node.args[0].target)
-        body.meta.setdefault(
-            "_checkpoint_context_fn", functools.partial(create_selective_checkpoint_contexts, _recompute_all)
-        )
+        default_checkpoint_context_fn(body, functools.partial(create_selective_checkpoint_contexts, _recompute_all))
 
 
 def _recompute_all(ctx, op, *args, **kwargs):
@@ -152,19 +132,17 @@ def _recompute_all(ctx, op, *args, **kwargs):
 
 
 def _fake_inputs(gm: GraphModule, example_inputs: list):
-    from torch._guards import TracingContext, detect_fake_mode
-
-    context = TracingContext.try_get()
+    context = tracing_context()
     placeholders = gm.graph.find_nodes(op="placeholder")
     fake_mode = context.fake_mode if context is not None and context.fake_mode is not None else None
     if fake_mode is None:  # called outside dynamo (a test calling the backend on a GraphModule itself)
-        fake_mode = detect_fake_mode(example_inputs) or torch._subclasses.FakeTensorMode(
+        fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode(
             shape_env=torch.fx.experimental.symbolic_shapes.ShapeEnv()
         )
     symbolic = getattr(context, "tensor_to_context", {}) if context is not None else {}
 
     def fake(value, node):
-        if isinstance(value, torch._subclasses.FakeTensor):
+        if isinstance(value, FakeTensor):
             return value if value.fake_mode is fake_mode else fake_mode.from_tensor(value)
         if isinstance(value, torch.Tensor):
             # The symbolic context dynamo made for this very tensor: its dynamic dims map to the same symbols.

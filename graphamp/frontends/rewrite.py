@@ -31,20 +31,19 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.nn.modules import module as module_globals
 
 from graphamp.errors import ArgumentError, GraphampError
 from graphamp.frontends.compile_backend import AmpBackend, BackendGraph, refuse_outer_autocast
 from graphamp.frontends.eager_policy import EagerPolicy, ModelFacts, rules_for
 from graphamp.policy.config import AmpConfig, check_entry_arguments, check_master_weights
-from graphamp.torch_private import dispatch_mode_makes_dynamo_run_eagerly
+from graphamp.torch_private import (
+    BackendCompilerFailed, call_module_with_hooks, composable_apis_on, dispatch_mode_makes_dynamo_run_eagerly,
+    global_module_hooks, module_buffers, recompile_limit,
+)
 
 __all__ = ["AmpState", "rewrite", "rewritten_graphs", "rewritten_models"]
 
 _models_compiled = itertools.count()
-_GLOBAL_HOOK_TABLES = tuple(
-    name for name, table in vars(module_globals).items() if name.startswith("_global_") and isinstance(table, dict)
-)
 
 # The models rewrite() converted and that are alive: decorate() links an optimizer to those holding its parameters.
 _REWRITTEN: weakref.WeakSet = weakref.WeakSet()
@@ -211,7 +210,7 @@ class AmpState:
                 f"graphamp: this call of {type(self.model).__name__} ran none of graphamp's graphs: dynamo ran its code "
                 f"eagerly, which graphamp's eager policy ran in mixed precision by the lists, at eager speed. The "
                 f"usual cause is dynamo's recompile limit (torch._dynamo.config.recompile_limit="
-                f"{torch._dynamo.config.recompile_limit}), reached by as many input signatures: new shapes with "
+                f"{recompile_limit()}), reached by as many input signatures: new shapes with "
                 f"dynamic=False, or a Python argument taking many values; another thread compiling the model at "
                 f"the same time is the other. Fix: rewrite(..., dynamic=True) (one graph for every size), keep "
                 f"Python arguments fixed, or raise the limit; TORCH_LOGS=recompiles shows why it recompiled.",
@@ -236,7 +235,7 @@ class _AmpCall:
     def __init__(self, state: AmpState):
         self.state = state
         self.compiled = state.compiled_call()
-        self.global_hooks = _global_hooks()
+        self.global_hooks = global_module_hooks()
         # Dynamo keeps the torch-function mode stack of the thread it compiles in a process-wide slot: a call that
         # another thread makes meanwhile loses its modes, the eager policy with them, and runs float32. Calls of one
         # model from several threads run one at a time.
@@ -248,7 +247,7 @@ class _AmpCall:
     def __call__(self, *args, **kwargs):
         state = self.state
         if torch.compiler.is_exporting():  # torch.export (export_program) traces the model's own FP32 code
-            return state.model._call_impl(*args, **kwargs)
+            return call_module_with_hooks(state.model, *args, **kwargs)
         refuse_outer_autocast(
             itertools.chain(args, kwargs.values()), f"{type(state.model).__name__}, rewritten by graphamp, was called"
         )
@@ -256,8 +255,8 @@ class _AmpCall:
             # dynamo would run this call eagerly and then mark the compiled code skipped for every later call: the
             # model's own code runs here, under the policy, and dynamo never sees the mode.
             with state.eager_policy():
-                return state.model._call_impl(*args, **kwargs)
-        hooks = _global_hooks()
+                return call_module_with_hooks(state.model, *args, **kwargs)
+        hooks = global_module_hooks()
         if hooks != self.global_hooks:  # dynamo guards no global module hook its graphs did not see: compile anew
             self.global_hooks, self.compiled = hooks, state.compiled_call()
         backend = state.backend
@@ -266,7 +265,7 @@ class _AmpCall:
                 runs, compiled = backend.graph_runs, len(backend.graphs)
                 result = self.compiled(state.model, *args, **kwargs)
                 state.after_call(runs, compiled)
-        except torch._dynamo.exc.BackendCompilerFailed as error:
+        except BackendCompilerFailed as error:
             inner = getattr(error, "inner_exception", None)
             if isinstance(inner, GraphampError):  # graphamp's own error, typed, not dynamo's wrapper of it
                 inner.__suppress_context__ = True
@@ -350,18 +349,13 @@ def _interrupts_kept():
 def _call_impl(module: nn.Module, *args, **kwargs):
     """nn.Module's own `_call_impl`, as another function object (see AmpState.install). Named as the attribute it
     is bound to, and kept apart from `_call_module`: pickle saves a bound method as getattr(model, its name)."""
-    return nn.Module._call_impl(module, *args, **kwargs)
+    return call_module_with_hooks(module, *args, **kwargs)
 
 
 def _call_module(module: nn.Module, *args, **kwargs):
     """The frame dynamo compiles: a module's own call, hooks included. Not `module._call_impl` itself, which
     torch's own modules (nn.Sequential, nn.Linear) would leave uncompiled: dynamo skips frames in torch.nn."""
-    return nn.Module._call_impl(module, *args, **kwargs)
-
-
-def _global_hooks() -> tuple:
-    """The handles of the global module hooks (register_module_forward_hook and the like) now registered."""
-    return tuple(tuple(getattr(module_globals, table)) for table in _GLOBAL_HOOK_TABLES)
+    return call_module_with_hooks(module, *args, **kwargs)
 
 
 def _fresh_call_module():
@@ -378,7 +372,7 @@ def _compile_ahead(model: nn.Module, args: tuple, kwargs: dict) -> None:
     """One call on the examples, so that dynamo and graphamp capture now; buffers (written in place or reassigned)
     and random state restored. An example the model's own FP32 code cannot run is an ArgumentError."""
     buffers = [(module, name, buffer, buffer.detach().clone())
-               for module in model.modules() for name, buffer in module._buffers.items() if buffer is not None]
+               for module in model.modules() for name, buffer in module_buffers(module).items() if buffer is not None]
     cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     try:
         with torch.random.fork_rng(devices=[]):
@@ -392,7 +386,7 @@ def _compile_ahead(model: nn.Module, args: tuple, kwargs: dict) -> None:
             torch.cuda.set_rng_state_all(cuda_states)
         with torch.no_grad():
             for module, name, buffer, saved in buffers:
-                module._buffers[name] = buffer  # a forward that reassigns a buffer (self.steps = self.steps + 1)
+                module_buffers(module)[name] = buffer  # a forward that reassigns a buffer (self.steps = self.steps + 1)
                 buffer.copy_(saved)
 
 
@@ -429,7 +423,7 @@ def _refuse_examples_that_do_not_fit(model: nn.Module, args: tuple, kwargs: dict
     fault, not a construct dynamo or graphamp cannot capture."""
     try:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
-            model._call_impl(*args, **kwargs)
+            call_module_with_hooks(model, *args, **kwargs)
     except Exception as eager_error:
         raise ArgumentError(
             f"rewrite()'s example inputs do not fit {type(model).__name__}: its own FP32 code raises on them "
@@ -481,12 +475,8 @@ def _refuse_composable_checkpoint(model: nn.Module) -> None:
     """torch.distributed's checkpoint(module) works by hooks that dynamo runs outside the graphs: backward
     recomputes the module eagerly, in float32, where its forward ran graphamp's casts, and fails with a
     CheckpointError (as it does under plain torch.compile)."""
-    try:
-        from torch.distributed._composable.contract import _get_registry
-    except ImportError:
-        return
     for name, module in model.named_modules():
-        if "checkpoint" in (_get_registry(module) or {}):
+        if "checkpoint" in composable_apis_on(module):
             raise ArgumentError(
                 f"'{name or type(model).__name__}' is checkpointed by torch.distributed's checkpoint(module), whose "
                 f"recomputation runs outside torch.compile's graphs and cannot repeat graphamp's casts. Fix: "

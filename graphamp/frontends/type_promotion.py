@@ -9,8 +9,9 @@ casts in Python, where they are traced as the model's own `_to_copy` casts.
 from __future__ import annotations
 
 import torch
-import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
+
+from graphamp.torch_private import pytree
 
 __all__ = ["PromoteMixedInputs"]
 

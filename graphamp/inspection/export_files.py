@@ -17,8 +17,6 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
-import torch.utils._pytree as pytree
-from torch._ops import HigherOrderOperator, OpOverload
 from torch.export import ExportedProgram
 from torch.fx import GraphModule
 
@@ -31,6 +29,7 @@ from graphamp.inspection.report_page import CastCounts, render_report
 from graphamp.passes.cast_pass import CAST_OP, node_dtype
 from graphamp.policy.dtypes import dtype_name
 from graphamp.policy.lists import Decision, op_lookup_keys
+from graphamp.torch_private import HigherOrderOperator, OpOverload, pytree
 
 __all__ = ["FILES", "export"]
 

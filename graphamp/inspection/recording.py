@@ -9,9 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch._higher_order_ops.cond import cond_op
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from graphamp.torch_private import TorchDispatchMode, op_schema, pytree
 
 from graphamp.frontends.low_storage import upcasts_of
 
@@ -38,9 +37,9 @@ class DtypeRecorder(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         self.calls.append(
             KernelCall(
-                func._schema.name.removeprefix("aten::"),
-                tuple(t.dtype for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)),
-                tuple(t.dtype for t in tree_leaves(out) if isinstance(t, torch.Tensor)),
+                op_schema(func).name.removeprefix("aten::"),
+                tuple(t.dtype for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)),
+                tuple(t.dtype for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)),
             )
         )
         return out
@@ -81,7 +80,7 @@ def recording_inside(compiler_fn, recorder: DtypeRecorder):
     return compiler
 
 
-@cond_op.py_impl(DtypeRecorder)
+@torch.ops.higher_order.cond.py_impl(DtypeRecorder)
 def _cond_under_recorder(mode, pred, true_fn, false_fn, operands):
     """torch.cond under the recorder: run the taken branch eagerly, so its kernels are recorded too."""
     with mode:

@@ -19,10 +19,6 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
-import torch.utils._pytree as pytree
-from torch._dispatch.python import enable_python_dispatcher
-from torch._guards import detect_fake_mode
-from torch._ops import HigherOrderOperator, OpOverload
 from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
@@ -36,6 +32,9 @@ from graphamp.policy.config import AmpConfig, is_normalization_module
 from graphamp.policy.dtypes import HALF_DTYPES, dtype_name
 from graphamp.policy.kernel_support import runs_low_on
 from graphamp.policy.lists import BLACK, GRAY, WHITE, Decision, op_lookup_keys
+from graphamp.torch_private import (
+    HigherOrderOperator, OpOverload, detect_fake_mode, enable_python_dispatcher, op_schema, pytree,
+)
 
 __all__ = ["INPUT_UPCAST", "RewriteReport", "insert_casts"]
 
@@ -252,7 +251,7 @@ class _CastPass:
                 return True
             if name in NORM_OPS:
                 return False
-        dtype_argument = next((a for a in node.target._schema.arguments if a.name == "dtype"), None)
+        dtype_argument = next((a for a in op_schema(node.target).arguments if a.name == "dtype"), None)
         if dtype_argument is None or argument_value(node, dtype_argument) is not None:
             return False
         set_argument(node, dtype_argument, torch.float32)
@@ -503,7 +502,7 @@ def _clamp_scalars_to_range(node: Node, dtype: torch.dtype) -> None:
     HF writes "minus infinity" as `torch.finfo(float32).min` (`masked_fill(scores, mask, -3.4e38)`), which
     bfloat16 and float16 kernels refuse; the low dtype's own finite min/max means the same there."""
     limit = torch.finfo(dtype).max
-    for argument in node.target._schema.arguments:
+    for argument in op_schema(node.target).arguments:
         if not isinstance(argument.type, torch.NumberType):
             continue
         value = argument_value(node, argument, None)
@@ -523,7 +522,7 @@ def _autocast_enabled(node: Node) -> bool | None:
 
 def _copies(node: Node) -> bool:
     """Whether a `.to()` node was asked for a copy (copy=True)."""
-    argument = next((a for a in node.target._schema.arguments if a.name == "copy"), None)
+    argument = next((a for a in op_schema(node.target).arguments if a.name == "copy"), None)
     return argument is not None and bool(argument_value(node, argument, False))
 
 

@@ -11,6 +11,7 @@ from torch.fx import Node
 from torch.fx.node import map_arg
 
 from graphamp.policy.lists import op_lookup_keys
+from graphamp.torch_private import op_schema
 
 __all__ = [
     "FP32_ACCUMULATING_OPS", "MODEL_CAST_OPS", "NORM_OPS", "RESHAPE_OPS", "SAME_DTYPE_OPS", "TRACE_ASSERTS",
@@ -56,10 +57,10 @@ TRACE_ASSERTS = {aten._assert_tensor_metadata.default}
 _NOT_GIVEN = object()
 
 
-def argument_value(node: Node, argument: torch._C.Argument, default=_NOT_GIVEN):
+def argument_value(node: Node, argument: torch.Argument, default=_NOT_GIVEN):
     """What `node` passes for one schema argument: by keyword, by position, else `default` (the schema's own
     default when none is given)."""
-    index = node.target._schema.arguments.index(argument)
+    index = op_schema(node.target).arguments.index(argument)
     if argument.name in node.kwargs:
         return node.kwargs[argument.name]
     if index < len(node.args):
@@ -67,9 +68,9 @@ def argument_value(node: Node, argument: torch._C.Argument, default=_NOT_GIVEN):
     return argument.default_value if default is _NOT_GIVEN else default
 
 
-def set_argument(node: Node, argument: torch._C.Argument, value) -> None:
+def set_argument(node: Node, argument: torch.Argument, value) -> None:
     """Pass `value` for one schema argument: in place of a positional one, else by keyword."""
-    index = node.target._schema.arguments.index(argument)
+    index = op_schema(node.target).arguments.index(argument)
     if index < len(node.args) and argument.name not in node.kwargs:
         node.args = (*node.args[:index], value, *node.args[index + 1:])
     else:
@@ -79,7 +80,7 @@ def set_argument(node: Node, argument: torch._C.Argument, value) -> None:
 def _inputs_where(node: Node, predicate) -> set[Node]:
     """The input nodes passed for the schema arguments that satisfy `predicate`."""
     found = set()
-    for argument in node.target._schema.arguments:
+    for argument in op_schema(node.target).arguments:
         if predicate(argument):
             map_arg(argument_value(node, argument, None), found.add)
     return found
@@ -93,7 +94,7 @@ def aliased_inputs(node: Node) -> set[Node]:
 def viewed_input(node: Node) -> Node | None:
     """The input whose storage the op's output is: the base of a view (slice's, transpose's, each of split's pieces'
     self) or the tensor an in-place op writes and returns (relu_'s self); None where the output is new memory."""
-    schema = node.target._schema
+    schema = op_schema(node.target)
     alias = schema.returns[0].alias_info if schema.returns else None
     shared = [a for a in schema.arguments if a.alias_info and alias and alias.before_set <= a.alias_info.before_set]
     value = argument_value(node, shared[0], None) if len(shared) == 1 else None
@@ -114,7 +115,7 @@ def norm_parameter_inputs(node: Node) -> set[Node]:
 
 def has_explicit_float_dtype(node: Node) -> bool:
     """softmax(x, -1, dtype=torch.float32) and the like: the model picked the compute dtype."""
-    for argument in node.target._schema.arguments:
+    for argument in op_schema(node.target).arguments:
         if argument.name == "dtype":
             value = argument_value(node, argument, None)
             return isinstance(value, torch.dtype) and value.is_floating_point
@@ -125,7 +126,7 @@ def draws_random_numbers(node: Node) -> bool:
     """Random ops (dropout, bernoulli); attention and dropout with a probability of 0 draw none."""
     if torch.Tag.nondeterministic_seeded not in node.target.tags:
         return False
-    for argument in node.target._schema.arguments:
+    for argument in op_schema(node.target).arguments:
         value = argument_value(node, argument)
         if (argument.name in ("p", "dropout_p") and value == 0) or (argument.name == "train" and value is False):
             return False

@@ -16,6 +16,7 @@ from torch import nn
 from graphamp.errors import ArgumentError
 from graphamp.policy.dtypes import HALF_DTYPES, check_dtype_runs_on, dtype_name
 from graphamp.policy.lists import AutoMixedPrecisionLists
+from graphamp.torch_private import NormBase
 
 __all__ = [
     "LEVELS", "AmpConfig", "check_entry_arguments", "check_level", "check_master_weights", "device_of",
@@ -25,7 +26,7 @@ __all__ = [
 # O1: the lists decide each op. O2: every op but the black ones runs low, normalization parameters stay FP32.
 LEVELS = ("O1", "O2")
 _NORM_MODULE_TYPES = (
-    nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
+    NormBase, nn.LayerNorm, nn.GroupNorm, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
 )
 
 

@@ -7,6 +7,7 @@ import warnings
 import torch
 
 from graphamp.errors import ArgumentError
+from graphamp.torch_private import cpu_runs_bfloat16_natively
 
 __all__ = ["HALF_DTYPES", "check_dtype_runs_on", "cpu_runs_bfloat16_natively", "dtype_name", "resolve_dtype"]
 
@@ -60,12 +61,6 @@ def check_dtype_runs_on(device: torch.device | None, dtype: torch.dtype, compile
             "this CPU has no native bfloat16 (no AVX512-BF16 or AMX): bfloat16 runs emulated and will be slower "
             "than float32 here. The numerics are those of a bfloat16 run; train on a GPU or a CPU with AMX for speed.",
         )
-
-
-def cpu_runs_bfloat16_natively() -> bool:
-    """Whether oneDNN has bfloat16 kernels on this CPU (AVX512-BF16 or AMX); without them bfloat16 matmuls
-    are emulated and run many times slower than FP32."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 # Each warning is given once per process; the flags are module globals so that tests can reset them.

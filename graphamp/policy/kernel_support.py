@@ -15,7 +15,8 @@ from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import _disable_current_modes
+
+from graphamp.torch_private import outside_every_mode
 
 __all__ = ["KERNEL_FAMILIES", "rounded_once", "runs_low_on"]
 
@@ -54,7 +55,7 @@ def runs_low_on(op_name: str, device: torch.device, dtype: torch.dtype) -> bool:
 def _probe(family: str, device_type: str, dtype: torch.dtype) -> bool:
     # The first capture may happen inside the caller's no_grad, inference_mode or dispatch mode (a recorder):
     # the probe runs outside all of them, draws no random numbers, and nothing of it is recorded.
-    with _disable_current_modes(), torch._C.DisableTorchFunction(), torch.inference_mode(False), torch.enable_grad():
+    with outside_every_mode(), torch.inference_mode(False), torch.enable_grad():
         device = torch.device(device_type)
         try:
             if family.startswith("interpolate:"):

@@ -24,6 +24,7 @@ from graphamp.policy.list_files import (
     BLACK_MODULES_FILE, OP_LIST_FILES, PROMOTE_FILE, check_lists_folder, check_visible, default_lists_dir,
     read_list_entries, read_list_file,
 )
+from graphamp.torch_private import all_op_schemas, op_schema, op_schemas_named
 
 __all__ = ["AutoMixedPrecisionLists", "COLORS", "Decision", "ListEntry"]
 
@@ -59,7 +60,7 @@ class ListEntry:
 @functools.lru_cache(maxsize=1)
 def _known_op_names() -> tuple[str, ...]:
     """Every registered op as a list file would name it (aten ops bare), for 'did you mean' suggestions."""
-    names = {s.name.removeprefix("aten::") for s in torch._C._jit_get_all_schemas()}
+    names = {s.name.removeprefix("aten::") for s in all_op_schemas()}
     return tuple(sorted(n for n in names if not n.startswith(("prim::", "_caffe2::"))))
 
 
@@ -81,8 +82,9 @@ def canonical_op_name(name: str) -> str:
 
 def op_lookup_keys(op) -> tuple[str, str]:
     """The list keys an OpOverload answers to, most specific first: ('add.Tensor', 'add')."""
-    packet = canonical_op_name(op._schema.name)
-    return f"{packet}.{op._overloadname}", packet
+    schema = op_schema(op)
+    packet = canonical_op_name(schema.name)
+    return f"{packet}.{schema.overload_name or 'default'}", packet
 
 
 def _split_overload(entry: str) -> tuple[str, str | None]:
@@ -104,7 +106,7 @@ def check_op_name(entry: str, where: str, unregistered: list[tuple[str, str]] | 
     all, see warn_unregistered) instead of warned about.
     """
     qualified, overload = _split_overload(entry)
-    schemas = torch._C._jit_get_schemas_for_operator(qualified)
+    schemas = op_schemas_named(qualified)
     if not schemas:
         if not qualified.startswith("aten::"):
             if qualified.startswith(_LIBRARY_NAMESPACES):
@@ -132,7 +134,7 @@ def check_op_name(entry: str, where: str, unregistered: list[tuple[str, str]] | 
 def _namespace_hints(entries: list[str]) -> list[str]:
     """'; did you mean ...' for each entry that is a typo of an op registered in its namespace, else ''."""
     registered: dict[str, list[str]] = {}
-    for schema in torch._C._jit_get_all_schemas():  # read now: ops registered since the last lists count
+    for schema in all_op_schemas():  # read now: ops registered since the last lists count
         registered.setdefault(schema.name.partition("::")[0], []).append(schema.name)
     hints = []
     for entry in entries:

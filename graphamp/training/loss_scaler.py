@@ -25,10 +25,10 @@ from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 from graphamp.errors import ArgumentError, LossScalingError
 from graphamp.policy.dtypes import HALF_DTYPES
+from graphamp.torch_private import group_by_device_and_dtype
 
 __all__ = ["LossScaler", "reciprocal_of"]
 
@@ -206,7 +206,7 @@ class LossScaler:
         found_inf = torch.zeros((), dtype=torch.float32, device=inv_scale.device)
         per_device = {inv_scale.device: (found_inf, inv_scale)}
         with torch.no_grad():
-            for (device, _), ([same_device_and_dtype], _) in _group_tensors_by_device_and_dtype([list(grads)]).items():
+            for (device, _), ([same_device_and_dtype], _) in group_by_device_and_dtype(list(grads)).items():
                 if device not in per_device:
                     device_found_inf = torch.zeros((), dtype=torch.float32, device=device)
                     per_device[device] = (device_found_inf, inv_scale.to(device, non_blocking=True))

@@ -15,6 +15,7 @@ from graphamp.frontends.rewrite import AmpState, rewritten_models
 from graphamp.policy.dtypes import HALF_DTYPES, dtype_name, resolve_dtype
 from graphamp.training.in_graph_scaling import run_scaled
 from graphamp.training.loss_scaler import LossScaler
+from graphamp.torch_private import fused_step_takes_loss_scaling, sparse_values, tensor_version
 
 __all__ = ["OptimizerWithMixedPrecision", "decorate"]
 
@@ -315,7 +316,7 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
         self.loss_scaler.scale(loss).backward(**kwargs)
         self._iteration.loss_scaled = True
         self._scaled_versions = {
-            id(p.grad): (p.grad, p.grad._version)
+            id(p.grad): (p.grad, tensor_version(p.grad))
             for group in self._optimizer.param_groups for p in group["params"] if p.grad is not None
         }
 
@@ -360,7 +361,7 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
         if grads == [] or (self._stage is _Stage.UNSCALED and self._found_inf is None):
             self._found_inf = None
             result = optimizer.step()  # no gradient: eager's no-op, with nothing to unscale, check or refuse
-        elif getattr(optimizer, "_step_supports_amp_scaling", False):
+        elif fused_step_takes_loss_scaling(optimizer):
             # GradScaler's contract with fused optimizers: they unscale by `grad_scale` and skip on `found_inf`
             # inside their kernel; `grad_scale` is None when the gradients are already unscaled.
             if self._stage is _Stage.READY:
@@ -454,7 +455,7 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
         if not self._iteration.loss_scaled or not self._scaled_versions:
             return
         recorded = self._scaled_versions
-        changed = any(id(g) in recorded and recorded[id(g)][1] != g._version for g in grads)
+        changed = any(id(g) in recorded and recorded[id(g)][1] != tensor_version(g) for g in grads)
         self._scaled_versions = {}
         if changed:
             raise LossScalingError(
@@ -487,7 +488,7 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
                         "are no FP32 master weights. Keep the model in float32 and use graphamp.rewrite(model, ...) "
                         f"to run it in {dtype}."
                     )
-                grads.append(grad._values() if grad.is_sparse else grad)
+                grads.append(sparse_values(grad) if grad.is_sparse else grad)
         return grads
 
     # -- loss scaling inside a linked model's graphs ------------------------------------------------------------
