@@ -59,7 +59,7 @@ def worker(mode: str, layers: int, width: int) -> None:
     if mode == "graphamp":
         lists = graphamp.AutoMixedPrecisionLists(dtype="bfloat16")
         graphamp.rewrite(model, (tokens,), {"labels": tokens}, amp_lists=lists)
-        optimizer = graphamp.decorate(torch.optim.AdamW(model.parameters(), lr=1e-4), lists)
+        optimizer = graphamp.decorate(torch.optim.AdamW(model.parameters(), lr=1e-4), lists, model=model)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 

@@ -8,7 +8,7 @@ Every step clips the gradients (clip_grad_norm_, max_norm 1.0) and steps AdamW, 
 - autocast: torch.autocast, with GradScaler (and its unscale_) in float16;
 - unscale_ path: `opt.backward(loss); opt.unscale_(); clip; opt.step()`, the optimizer decorated before the model
   is rewritten (so not linked to it: the loss is scaled by backward(loss));
-- in-graph: `loss.backward(); clip; opt.step()`, the model rewritten first, so that decorate() links the optimizer
+- in-graph: `loss.backward(); clip; opt.step()`, the model rewritten first, so that decorate(model=) links the optimizer
   to it and its graphs scale the gradients.
 On a GPU in float16; on a CPU in bfloat16 with dynamic loss scaling forced on (so that there is scaling to pay
 for), and only where the CPU runs bfloat16 natively (else timings say nothing about a real run; --anyway runs it
@@ -48,8 +48,8 @@ def step_times(mode: str, compiled: bool, dtype: torch.dtype, device: str, steps
         if mode.startswith("unscale"):  # decorated first: no rewritten model holds its parameters yet, no link
             opt = graphamp.decorate(adamw, lists, use_dynamic_loss_scaling=True)
         net = graphamp.rewrite(model, example_kwargs=batches[0][0], amp_lists=lists, compile=compiled)
-        if mode.startswith("in-graph"):  # decorated after rewrite(): linked, the graphs scale the gradients
-            opt = graphamp.decorate(adamw, lists, use_dynamic_loss_scaling=True)
+        if mode.startswith("in-graph"):  # linked to the rewritten model: the graphs scale the gradients
+            opt = graphamp.decorate(adamw, lists, use_dynamic_loss_scaling=True, model=net)
     else:
         net = torch.compile(model) if compiled else model
         opt = adamw

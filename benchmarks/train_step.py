@@ -97,7 +97,7 @@ def measure(model_name: str, mode: str, dtype_name: str, device: str, steps: int
         )
         result["rewrite_s"] = time.perf_counter() - started
         if low == torch.float16:
-            optimizer = graphamp.decorate(optimizer, lists)  # after rewrite(): linked, scaled inside the graphs
+            optimizer = graphamp.decorate(optimizer, lists, model=net)  # linked: scaled inside the graphs
         autocast = contextlib.nullcontext
     else:
         net = torch.compile(model, mode=options.get("compile_mode")) if compiled else model

@@ -141,7 +141,8 @@ def main():
     if args.comm_hook:
         model.register_comm_hook(None, COMM_HOOKS[args.comm_hook])
     optimizer = graphamp.decorate(
-        torch.optim.AdamW(model.parameters(), lr=args.lr), amp_lists, incr_every_n_steps=args.incr_every_n_steps
+        torch.optim.AdamW(model.parameters(), lr=args.lr), amp_lists, incr_every_n_steps=args.incr_every_n_steps,
+        model=model,
     )
     step = load_checkpoint(args.resume, model, optimizer, device) if args.resume else 0
     if rank == 0:

@@ -73,7 +73,7 @@ def main():
     amp_lists = graphamp.AutoMixedPrecisionLists(dtype=dtype, custom_black_modules=["lm_head"])
     tokens = batch(0, args.batch_size, device)
     graphamp.rewrite(model, (tokens,), {"labels": tokens}, amp_lists=amp_lists)  # in place: the same model
-    optimizer = graphamp.decorate(torch.optim.AdamW(model.parameters(), lr=args.lr), amp_lists)
+    optimizer = graphamp.decorate(torch.optim.AdamW(model.parameters(), lr=args.lr), amp_lists, model=model)
 
     step = 0
     if args.resume:

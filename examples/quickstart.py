@@ -165,9 +165,9 @@ def main():
     graphamp.rewrite(amp_model, example, amp_lists=amp_lists, compile=args.compile, mode=args.compile_mode)
     rewrite_s = time.perf_counter() - rewrite_began
     captured = [len(graphamp.rewritten_graphs(amp_model))]
-    # Decorated after rewrite(), the optimizer is linked to the model: float16's loss scaling runs inside its
-    # graphs, so the plain loss.backward() leaves true gradients and step() skips on inf/NaN.
-    optimizer = graphamp.decorate(adamw(amp_model), amp_lists)
+    # Linked to the rewritten model: float16's loss scaling runs inside its graphs, so the plain loss.backward()
+    # leaves true gradients and step() skips on inf/NaN.
+    optimizer = graphamp.decorate(adamw(amp_model), amp_lists, model=amp_model)
     phase(f"training graphamp.rewrite {dtype} ...")
     amp_run = train(amp_model, optimizer, train_data, args.epochs, args.batch_size)
     captured.append(len(graphamp.rewritten_graphs(amp_model)))

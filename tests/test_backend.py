@@ -327,7 +327,7 @@ def test_deberta_v2_with_labels_trains_though_its_loss_reads_the_labels_values(b
     with pytest.raises(graphamp.CaptureError, match="tensor's value"):
         graphamp.export_program(copy.deepcopy(model), (), {"input_ids": ids, "labels": labels}, amp_lists=bf16)
     graphamp.rewrite(model, (), {"input_ids": ids, "labels": labels}, amp_lists=bf16)
-    optimizer = graphamp.decorate(torch.optim.AdamW(model.parameters(), lr=3e-3), bf16)
+    optimizer = graphamp.decorate(torch.optim.AdamW(model.parameters(), lr=3e-3), bf16, model=model)
     losses = []
     for _ in range(4):
         loss = model(input_ids=ids, labels=labels).loss

@@ -52,7 +52,7 @@ def test_a_refused_decorate_leaves_the_model_linked_to_no_optimizer(fp16, bf16):
     model = rewritten(fp16)
     with pytest.raises(LossScalingError):
         graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), bf16)
-    assert model._graphamp.backend._linked_optimizer is None
+    assert model._graphamp.backend.linked_loss_scaling is None
 
 
 def test_float16_model_decorated_with_its_own_lists_keeps_gradients_of_a_tiny_loss(fp16):
@@ -60,7 +60,7 @@ def test_float16_model_decorated_with_its_own_lists_keeps_gradients_of_a_tiny_lo
     torch.manual_seed(0)
     x, y = batch(0)
     model = graphamp.rewrite(TinyLoss(), (x, y), amp_lists=fp16)
-    opt = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16)
+    opt = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, model=model)
     model(x, y).backward()
     assert all(bool((p.grad != 0).all()) for p in model.parameters())
     opt.step()
@@ -125,8 +125,8 @@ def test_the_loss_scaler_itself_refuses_a_non_bool_use_dynamic_loss_scaling():
 
 def decorated_one_by_one(lists):
     model = rewritten(lists)
-    first = graphamp.decorate(torch.optim.SGD(model.net[0].parameters(), lr=0.1), lists)
-    second = graphamp.decorate(torch.optim.SGD(model.net[2].parameters(), lr=0.1), lists)
+    first = graphamp.decorate(torch.optim.SGD(model.net[0].parameters(), lr=0.1), lists, model=model)
+    second = graphamp.decorate(torch.optim.SGD(model.net[2].parameters(), lr=0.1), lists, model=model)
     return model, first, second
 
 
@@ -144,7 +144,8 @@ def test_optimizers_of_one_model_decorated_one_by_one_are_told_to_decorate_them_
 def test_optimizers_of_one_model_decorated_in_one_call_step_after_a_plain_backward(fp16):
     model = rewritten(fp16)
     first, second = graphamp.decorate(
-        [torch.optim.SGD(model.net[0].parameters(), lr=0.1), torch.optim.SGD(model.net[2].parameters(), lr=0.1)], fp16
+        [torch.optim.SGD(model.net[0].parameters(), lr=0.1), torch.optim.SGD(model.net[2].parameters(), lr=0.1)], fp16,
+        model=model,
     )
     before = [p.detach().clone() for p in model.parameters()]
     model(*batch(1)).backward()

@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import graphamp
 from graphamp import LossScalingError
@@ -28,7 +30,7 @@ def state(opt) -> list[torch.Tensor]:
 def backward_linked_and_eager(amp_lists) -> tuple[nn.Module, nn.Module]:
     """A linked rewritten model and its FP32 copy, after a plain backward() of the same batch."""
     model, eager = rewritten_and_eager(amp_lists)
-    graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), amp_lists)
+    graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), amp_lists, model=model)
     model(*batch(1)).backward()
     eager(*batch(1)).backward()
     return model, eager
@@ -39,7 +41,7 @@ def backward_linked_and_eager(amp_lists) -> tuple[nn.Module, nn.Module]:
 
 def test_plain_backward_matches_the_unscale_path_bit_for_bit(fp16):
     linked = rewritten(fp16)
-    graphamp.decorate(torch.optim.SGD(linked.parameters(), lr=0.1), fp16)
+    graphamp.decorate(torch.optim.SGD(linked.parameters(), lr=0.1), fp16, model=linked)
     linked(*batch(1)).backward()
 
     torch.manual_seed(0)
@@ -62,7 +64,7 @@ def test_plain_backward_gives_eager_fp32_gradients_within_float16_tolerance(fp16
 
 def test_plain_backward_gives_autocast_and_grad_scalers_unscaled_gradients(fp16):
     model, eager = rewritten_and_eager(fp16)
-    graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16)
+    graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, model=model)
     model(*batch(1)).backward()
 
     autocast_opt = torch.optim.SGD(eager.parameters(), lr=0.1)
@@ -82,7 +84,7 @@ def test_a_loss_computed_outside_the_graph_gets_true_gradients(fp16, seeded):
     eager = copy.deepcopy(model)
     x, labels = batch(1)[0], torch.tensor([0, 1, 2, 3, 0, 1])
     graphamp.rewrite(model, (x,), amp_lists=fp16)
-    graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, init_loss_scaling=2.0**12)
+    graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, init_loss_scaling=2.0**12, model=model)
     F.cross_entropy(model(x), labels).backward()
     F.cross_entropy(eager(x), labels).backward()
     for a, b in zip(grads(model), grads(eager)):
@@ -94,7 +96,7 @@ def test_an_output_read_by_the_graphs_loss_and_by_a_loss_outside_gets_both_gradi
     model, x, labels = LossOfCastLogits(), torch.randn(4, 8), torch.randint(0, 6, (4,))
     eager = copy.deepcopy(model)
     graphamp.rewrite(model, (x, labels), amp_lists=fp16)
-    graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, init_loss_scaling=2.0**8)
+    graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, init_loss_scaling=2.0**8, model=model)
     for net in (model, eager):
         loss, logits = net(x, labels)
         (loss + 1e-2 * logits.square().mean()).backward()
@@ -108,7 +110,7 @@ def test_gradients_between_the_graphs_of_a_graph_break_are_true(fp16, seeded):
     model, x = BrokenGraph(), batch(1)[0]
     eager = copy.deepcopy(model)
     graphamp.rewrite(model, (x,), amp_lists=fp16)
-    graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, init_loss_scaling=2.0**12)
+    graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, init_loss_scaling=2.0**12, model=model)
     model(x).pow(2).mean().backward()
     eager(x).pow(2).mean().backward()
 
@@ -119,7 +121,7 @@ def test_gradients_between_the_graphs_of_a_graph_break_are_true(fp16, seeded):
 
 def test_gradient_accumulation_adds_true_gradients(fp16):
     model, eager = rewritten_and_eager(fp16)
-    graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16)
+    graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, model=model)
     for net in (model, eager):
         net(*batch(1)).backward()
         net(*batch(2)).backward()
@@ -155,7 +157,7 @@ def test_output_written_in_place_after_the_call_keeps_eager_gradients(fp16, seed
     net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
     eager = copy.deepcopy(net)
     graphamp.rewrite(net, batch(0)[0], amp_lists=fp16)
-    graphamp.decorate(torch.optim.SGD(net.parameters(), lr=0.1), fp16, init_loss_scaling=2.0**8)
+    graphamp.decorate(torch.optim.SGD(net.parameters(), lr=0.1), fp16, init_loss_scaling=2.0**8, model=net)
     for model in (net, eager):
         out = model(batch(1)[0])
         out.mul_(3.0)
@@ -186,7 +188,7 @@ def test_gradients_leaving_the_graph_are_divided_once_whatever_their_layout(fp16
     eager = copy.deepcopy(model)
     graphamp.rewrite(model, (x,), amp_lists=fp16)
     # a scale that leaves the float16 backward finite (the 0-dim `scale` gradient sums 12 products)
-    graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, init_loss_scaling=2.0**10)
+    graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, init_loss_scaling=2.0**10, model=model)
     model(x).backward(create_graph=create_graph)
     eager(x).backward(create_graph=create_graph)
     for (name, a), b in zip(model.named_parameters(), eager.parameters()):
@@ -201,7 +203,7 @@ def test_gradients_leaving_the_graph_are_divided_once_whatever_their_layout(fp16
 
 def test_inf_step_is_skipped_bit_identically_and_the_scale_halves(fp16):
     model = rewritten(fp16)
-    opt = graphamp.decorate(torch.optim.Adam(model.parameters(), lr=1e-2), fp16)
+    opt = graphamp.decorate(torch.optim.Adam(model.parameters(), lr=1e-2), fp16, model=model)
     model(*batch(1)).backward()
     opt.step()
     opt.zero_grad()
@@ -219,7 +221,7 @@ def test_inf_step_is_skipped_bit_identically_and_the_scale_halves(fp16):
 def test_a_too_large_scale_backs_off_until_the_float16_backward_is_finite(fp16):
     """2^24 overflows the float16 backward; the steps are skipped and the scale halves until it fits."""
     model, eager = rewritten_and_eager(fp16)
-    opt = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, init_loss_scaling=2.0**24)
+    opt = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, init_loss_scaling=2.0**24, model=model)
     eager_opt = torch.optim.SGD(eager.parameters(), lr=0.1)
     for step in range(STEPS_OF_A_SHORT_RUN):
         model(*batch(0)).backward()
@@ -239,7 +241,7 @@ def test_a_too_large_scale_backs_off_until_the_float16_backward_is_finite(fp16):
 def test_scale_follows_paddle_rule_through_plain_backward(fp16):
     model = rewritten(fp16)
     opt = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=1e-3), fp16, init_loss_scaling=1024.0,
-                            incr_every_n_steps=2, decr_every_n_nan_or_inf=2)
+                            incr_every_n_steps=2, decr_every_n_nan_or_inf=2, model=model)
     poisoned = {2, 3, 5}
     scales = []
     for step in range(7):
@@ -253,7 +255,7 @@ def test_scale_follows_paddle_rule_through_plain_backward(fp16):
 
 def test_backward_through_the_optimizer_does_not_scale_twice(fp16):
     model = rewritten(fp16)
-    opt = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16)
+    opt = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, model=model)
     model(*batch(1)).backward()
     plain = grads(model)
     opt.zero_grad()
@@ -265,8 +267,8 @@ def test_backward_through_the_optimizer_does_not_scale_twice(fp16):
 
 def test_minimize_trains_a_linked_model_as_the_plain_loop_does(fp16):
     plain, minimized = rewritten(fp16), rewritten(fp16)
-    plain_opt = graphamp.decorate(torch.optim.SGD(plain.parameters(), lr=0.1), fp16)
-    minimize_opt = graphamp.decorate(torch.optim.SGD(minimized.parameters(), lr=0.1), fp16)
+    plain_opt = graphamp.decorate(torch.optim.SGD(plain.parameters(), lr=0.1), fp16, model=plain)
+    minimize_opt = graphamp.decorate(torch.optim.SGD(minimized.parameters(), lr=0.1), fp16, model=minimized)
     for step in range(3):
         plain(*batch(step)).backward()
         plain_opt.step()
@@ -280,7 +282,7 @@ def test_minimize_trains_a_linked_model_as_the_plain_loop_does(fp16):
 
 def test_bfloat16_plain_loop_trains_with_nothing_inserted(bf16):
     model = rewritten(bf16)
-    opt = graphamp.decorate(torch.optim.Adam(model.parameters(), lr=1e-2), bf16)
+    opt = graphamp.decorate(torch.optim.Adam(model.parameters(), lr=1e-2), bf16, model=model)
     losses = []
     for step in range(STEPS_OF_A_SHORT_RUN):
         loss = model(*batch(0))
@@ -290,6 +292,133 @@ def test_bfloat16_plain_loop_trains_with_nothing_inserted(bf16):
         opt.zero_grad()
         losses.append(loss.item())
     assert losses[-1] < 0.5 * losses[0]
+
+
+# -- one pass: the graphs' own inf/NaN check counts at step() ------------------------------------------------------
+
+
+class InfChecks(TorchDispatchMode):
+    """How many gradients torch's fused inf/NaN check (`_amp_foreach_non_finite_check_and_unscale_`) went over."""
+
+    def __init__(self):
+        super().__init__()
+        self.gradients = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._amp_foreach_non_finite_check_and_unscale_.default:
+            self.gradients += len(args[0])
+        return func(*args, **(kwargs or {}))
+
+
+def test_step_checks_no_gradient_the_graphs_checked_already(fp16):
+    model = rewritten(fp16)
+    opt = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, model=model)
+    loss = model(*batch(1))  # outside the mode: a call under a TorchDispatchMode runs eagerly, with no graph
+    with InfChecks() as backward:
+        loss.backward()
+    with InfChecks() as step:
+        opt.step()
+    assert backward.gradients == 4  # the graph divided and checked all four as they left it
+    assert step.gradients == 0  # before one pass: 4, each gradient checked a second time
+    assert opt.skipped_steps == 0
+
+
+def test_an_overflow_inside_the_graph_skips_the_step_by_the_graphs_own_check(fp16):
+    """2^24 overflows the float16 backward: found by the check inside the graph, none at step()."""
+    model = rewritten(fp16)
+    opt = graphamp.decorate(torch.optim.Adam(model.parameters(), lr=1e-2), fp16, init_loss_scaling=2.0**24,
+                            model=model)
+    before = [p.detach().clone() for p in model.parameters()]
+    model(*batch(1)).backward()
+    with InfChecks() as step:
+        opt.step()
+    assert step.gradients == 0
+    assert opt.found_inf and opt.skipped_steps == 1 and opt.get_loss_scaling() == 2.0**23
+    assert all(torch.equal(a, b) and a.isfinite().all() for a, b in zip(model.parameters(), before))
+    assert opt.state == {}  # Adam never stepped: no moments
+
+
+def poison_outside_the_graph(model, outside, where):
+    """A plain backward whose inf reaches a gradient from eager code, not from the graph's backward."""
+    loss = model(*batch(1))
+    if where == "a parameter used outside only":
+        loss = loss + (outside * float("inf")).sum()
+    elif where == "a parameter used inside and outside":
+        loss = loss + model.net[0].bias.sum() * float("inf")
+    loss.backward()
+    if where == "a gradient changed in place after backward":
+        model.net[2].weight.grad[0, 0] = float("inf")
+
+
+@pytest.mark.parametrize("where", ["a parameter used outside only", "a parameter used inside and outside",
+                                   "a gradient changed in place after backward"])
+def test_an_inf_from_outside_the_graphs_still_skips_the_step(fp16, where):
+    model = rewritten(fp16)
+    outside = nn.Parameter(torch.ones(4))
+    opt = graphamp.decorate(torch.optim.SGD([*model.parameters(), outside], lr=0.1), fp16, model=model)
+    before = [p.detach().clone() for p in opt.param_groups[0]["params"]]
+    poison_outside_the_graph(model, outside, where)
+    with InfChecks() as step:
+        opt.step()
+    assert step.gradients >= 1  # the gradient eager code touched is checked at step()
+    assert opt.found_inf and opt.skipped_steps == 1 and opt.get_loss_scaling() == 2.0**15
+    assert all(torch.equal(a, b) for a, b in zip(opt.param_groups[0]["params"], before))
+
+
+def test_gradients_accumulated_over_micro_batches_are_checked_again_at_step(fp16):
+    """Each micro-batch's gradient was checked in the graph; their sum in .grad is checked once more."""
+    model = rewritten(fp16)
+    opt = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, model=model)
+    model(*batch(1)).backward()
+    model(*batch(2)).backward()
+    with InfChecks() as step:
+        opt.step()
+    assert step.gradients == 4 and opt.skipped_steps == 0
+
+
+def test_an_inf_inside_the_graph_skips_only_the_optimizer_whose_gradients_hold_it(fp16):
+    """decorate([a, b]): the graph's check keeps a found_inf per optimizer, as GradScaler's step(a), step(b) do. An
+    inf in the input reaches the first layer's gradients only (tanh makes it 1 on the way up)."""
+    model = rewritten(fp16)
+    first, second = graphamp.decorate(
+        [torch.optim.SGD(model.net[0].parameters(), lr=0.1), torch.optim.SGD(model.net[2].parameters(), lr=0.1)],
+        fp16, model=model,
+    )
+    before = [p.detach().clone() for p in model.parameters()]
+    model(*batch(1, poison=float("inf"))).backward()
+    first.step()
+    second.step()
+    assert (first.found_inf, second.found_inf) == (True, False)
+    moved = [not torch.equal(p, b) for p, b in zip(model.parameters(), before)]
+    assert moved == [False, False, True, True]
+    assert first.get_loss_scaling() == 2.0**15
+
+
+def test_accumulation_and_clipping_train_as_grad_scaler_does(fp16):
+    """Two micro-batches per step, unscale_() then clip_grad_norm_: the same updates as autocast with GradScaler."""
+    model, eager = rewritten_and_eager(fp16)
+    opt = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, model=model)
+    eager_opt, scaler = torch.optim.SGD(eager.parameters(), lr=0.1), torch.amp.GradScaler("cpu")
+    start = [p.detach().clone() for p in model.parameters()]
+    norms = []
+    for step in range(4):
+        for micro_batch in (2 * step, 2 * step + 1):
+            model(*batch(micro_batch)).backward()
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = eager(*batch(micro_batch))
+            scaler.scale(loss).backward()
+        opt.unscale_()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.1))
+        opt.step()
+        opt.zero_grad()
+        scaler.unscale_(eager_opt)
+        torch.nn.utils.clip_grad_norm_(eager.parameters(), max_norm=0.1)
+        scaler.step(eager_opt)
+        scaler.update()
+        eager_opt.zero_grad()
+    assert opt.skipped_steps == 0 and min(norms) > 0.1  # every step clipped
+    for a, b, a0 in zip(model.parameters(), eager.parameters(), start):
+        assert relative_error(a - a0, b - a0) < FP16_GRADIENT_RTOL
 
 
 # -- the link -------------------------------------------------------------------------------------------------------
@@ -323,6 +452,17 @@ class Wrapper(nn.Module):
         return self.inner(x, y)
 
 
+def test_decorate_finding_the_model_through_its_parameters_warns_to_pass_model(fp16):
+    model = rewritten(fp16)
+    with pytest.warns(FutureWarning, match=r"found the rewritten Regression.*model=model"):
+        opt = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16)
+    assert model._graphamp.backend.linked_optimizer is opt  # still linked, for now
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, model=model)
+        graphamp.decorate(torch.optim.SGD(Regression().parameters(), lr=0.1), fp16)  # no model to find: no link
+
+
 def test_decorate_model_argument_links_a_module_holding_the_rewritten_model(fp16):
     model = rewritten(fp16)
     wrapper = Wrapper(model)
@@ -347,8 +487,8 @@ def test_decorate_model_argument_without_the_optimizers_parameters_is_refused(fp
 
 def test_the_latest_decorate_over_a_models_parameters_wins(fp16):
     model = rewritten(fp16)
-    first = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, init_loss_scaling=2.0**10)
-    second = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, init_loss_scaling=2.0**4)
+    first = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, init_loss_scaling=2.0**10, model=model)
+    second = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, init_loss_scaling=2.0**4, model=model)
     model(*batch(1)).backward()
     second.step()
     assert second.skipped_steps == 0

@@ -26,7 +26,7 @@ def weights(model: nn.Module) -> list[torch.Tensor]:
 @pytest.mark.parametrize("make_copy", COPIES.values(), ids=COPIES.keys())
 def test_decorated_model_copies_and_gives_the_same_loss(fp16, make_copy):
     model = rewritten(fp16)
-    graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16)
+    graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, model=model)
     twin = make_copy(model)
     assert torch.equal(twin(*batch(1)), model(*batch(1)))
     assert len(graphamp.rewritten_graphs(twin)) == 1  # the copy runs graphamp's graph of its own
@@ -35,7 +35,7 @@ def test_decorated_model_copies_and_gives_the_same_loss(fp16, make_copy):
 @pytest.mark.parametrize("make_copy", COPIES.values(), ids=COPIES.keys())
 def test_model_and_optimizer_copied_together_train_the_copy_with_in_graph_scaling(fp16, make_copy):
     model = rewritten(fp16)
-    opt = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16)
+    opt = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, model=model)
     model(*batch(1)).backward()
     opt.step()
     opt.zero_grad()
@@ -52,9 +52,9 @@ def test_model_and_optimizer_copied_together_train_the_copy_with_in_graph_scalin
 
 def test_deepcopy_trained_with_its_own_optimizer_uses_its_own_loss_scaling(fp16):
     model = rewritten(fp16)
-    opt = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, init_loss_scaling=2.0**10)
+    opt = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, init_loss_scaling=2.0**10, model=model)
     twin = copy.deepcopy(model)
-    twin_opt = graphamp.decorate(torch.optim.SGD(twin.parameters(), lr=0.1), fp16, init_loss_scaling=2.0**4)
+    twin_opt = graphamp.decorate(torch.optim.SGD(twin.parameters(), lr=0.1), fp16, init_loss_scaling=2.0**4, model=twin)
 
     twin(*batch(1)).backward()
     twin_opt.step()  # the copy's gradients were scaled by its own optimizer's scale
@@ -66,9 +66,9 @@ def test_deepcopy_trained_with_its_own_optimizer_uses_its_own_loss_scaling(fp16)
 
 def test_shallow_copy_of_the_optimizer_leaves_the_models_link_alone(fp16):
     model = rewritten(fp16)
-    opt = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16)
+    opt = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, model=model)
     copy.copy(opt)
-    assert model._graphamp.backend._linked_optimizer() is opt
+    assert model._graphamp.backend.linked_optimizer is opt
 
 
 # -- steps without gradients --------------------------------------------------------------------------------------
@@ -76,7 +76,7 @@ def test_shallow_copy_of_the_optimizer_leaves_the_models_link_alone(fp16):
 
 def test_step_without_gradients_is_a_no_op_as_in_eager(fp16):
     model = rewritten(fp16)
-    opt = graphamp.decorate(torch.optim.Adam(model.parameters(), lr=0.1), fp16)
+    opt = graphamp.decorate(torch.optim.Adam(model.parameters(), lr=0.1), fp16, model=model)
     before, scale = weights(model), opt.get_loss_scaling()
     opt.step()
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), before))
@@ -92,7 +92,7 @@ def test_unused_optimizer_of_a_shared_list_steps_as_a_no_op(fp16):
     unused = nn.Linear(2, 2)
     used_opt, unused_opt = graphamp.decorate(
         [torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(unused.parameters(), lr=0.1)],
-        fp16, init_loss_scaling=2.0**10, incr_every_n_steps=1,
+        fp16, init_loss_scaling=2.0**10, incr_every_n_steps=1, model=model,
     )
     eager_opt = torch.optim.SGD(eager.parameters(), lr=0.1)
     unused_before = weights(unused)
@@ -125,7 +125,7 @@ def lbfgs_steps(model, opt, steps: int = 3, poison: float | None = None) -> list
 
 def test_lbfgs_step_with_closure_matches_eager_fp32(fp16):
     model, eager = rewritten_and_eager(fp16)
-    opt = graphamp.decorate(torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4), fp16)
+    opt = graphamp.decorate(torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4), fp16, model=model)
     losses = lbfgs_steps(model, opt)
     eager_losses = lbfgs_steps(eager, torch.optim.LBFGS(eager.parameters(), lr=0.5, max_iter=4))
 
@@ -136,7 +136,7 @@ def test_lbfgs_step_with_closure_matches_eager_fp32(fp16):
 
 def test_lbfgs_step_with_inf_gradients_is_skipped_and_the_scale_halves(fp16):
     model = rewritten(fp16)
-    opt = graphamp.decorate(torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4), fp16)
+    opt = graphamp.decorate(torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4), fp16, model=model)
     before, scale = weights(model), opt.get_loss_scaling()
     lbfgs_steps(model, opt, steps=1, poison=float("inf"))
     assert opt.found_inf and opt.skipped_steps == 1
@@ -161,10 +161,11 @@ def penalized_gradients(model, wrt: str) -> list[torch.Tensor]:
 @pytest.mark.parametrize("wrt", ["parameters", "input"])
 def test_gradient_penalty_matches_the_unscaled_path(fp16, wrt):
     scaled = rewritten(fp16)
-    graphamp.decorate(torch.optim.SGD(scaled.parameters(), lr=0.1), fp16, init_loss_scaling=256.0)
+    graphamp.decorate(torch.optim.SGD(scaled.parameters(), lr=0.1), fp16, init_loss_scaling=256.0, model=scaled)
     unscaled = rewritten(fp16)
     graphamp.decorate(
-        torch.optim.SGD(unscaled.parameters(), lr=0.1), fp16, use_dynamic_loss_scaling=False, init_loss_scaling=1.0
+        torch.optim.SGD(unscaled.parameters(), lr=0.1), fp16, use_dynamic_loss_scaling=False, init_loss_scaling=1.0,
+        model=unscaled,
     )
     for a, b in zip(penalized_gradients(scaled, wrt), penalized_gradients(unscaled, wrt)):
         assert relative_error(a, b) < 1e-2
@@ -175,7 +176,7 @@ def penalized_gradients_of_outputs(fp16, **scaling) -> list[torch.Tensor]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
     graphamp.rewrite(model, (batch(0)[0],), amp_lists=fp16)
-    graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, **scaling)
+    graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, **scaling, model=model)
     x = batch(1)[0].requires_grad_()
     loss = model(x).pow(3).mean()
     penalty = sum(g.pow(2).sum() for g in torch.autograd.grad(loss, [x, *model.parameters()], create_graph=True))
@@ -197,7 +198,7 @@ def linked_with_the_gradients_of_batch_1(fp16):
     """A linked rewritten model, its decorated SGD, and the gradients of batch 1 from a backward right after its
     forward."""
     model = rewritten(fp16)
-    opt = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, init_loss_scaling=2.0**10)
+    opt = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, init_loss_scaling=2.0**10, model=model)
     model(*batch(1)).backward()
     expected = grads(model)
     opt.zero_grad()
@@ -240,7 +241,7 @@ def test_backward_after_a_step_raises_as_in_eager_for_weights_run_in_fp32(fp16):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 4))
     graphamp.rewrite(model, (batch(0)[0],), amp_lists=fp16)
-    graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16)
+    graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, model=model)
     loss = model(batch(1)[0]).pow(2).mean()
     with torch.no_grad():
         model[1].weight.add_(1.0)  # what a step in between does

@@ -211,7 +211,7 @@ def train(model, batches, loss_fn, make_optimizer, amp_lists=None, loss_scaling=
         graphamp.rewrite(model, *batches[0][:2], amp_lists=amp_lists)
     optimizer = make_optimizer(model.parameters())
     if loss_scaling:
-        optimizer = graphamp.decorate(optimizer, amp_lists=amp_lists)
+        optimizer = graphamp.decorate(optimizer, amp_lists=amp_lists, model=model)
     first, last = mean_loss_of_first_and_last_epoch(model, optimizer, batches, loss_fn, TRAINING_STEPS)
     return first, last, optimizer
 

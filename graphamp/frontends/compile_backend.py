@@ -11,8 +11,10 @@ backend="graphamp")` reaches one by name (named_backend.py).
 from __future__ import annotations
 
 import time
+import types
 import weakref
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 from torch.amp.autocast_mode import is_autocast_available
@@ -31,7 +33,11 @@ from graphamp.torch_private import (
     ENTER_AUTOCAST, EXIT_AUTOCAST, compile_with_inductor, generate_code_now, set_dynamo_config, torch_function_off,
 )
 
-__all__ = ["AmpBackend", "BackendGraph", "backend", "configure_dynamo", "refuse_outer_autocast"]
+__all__ = ["AmpBackend", "BackendGraph", "GraphRunner", "backend", "configure_dynamo", "refuse_outer_autocast"]
+
+# The one link between the graphs and training: run one graph, `run(*args)`, with loss scaling inside, and return its
+# outputs. graphamp.training makes it (OptimizerWithMixedPrecision.run_graph_scaled); the backend only calls it.
+GraphRunner = Callable[[Callable, tuple], Any]
 
 
 def backend(
@@ -86,7 +92,7 @@ class AmpBackend:
         self.inductor_options = dict(inductor_options or {})
         self.graphs: list[BackendGraph] = []
         self.graph_runs = 0  # every run of every graph: rewrite() tells a call that ran none of them
-        self._linked_optimizer = None
+        self._link = None  # () -> the linked GraphRunner, or None
         self._module_paths = ModulePaths(config.lists, model)
         configure_dynamo()
 
@@ -104,28 +110,52 @@ class AmpBackend:
         return [graph.report for graph in self.graphs]
 
     @property
+    def linked_loss_scaling(self) -> GraphRunner | None:
+        """The function that runs each graph with loss scaling inside (see `link_loss_scaling`), or None."""
+        return self._link() if self._link is not None else None
+
+    @property
     def linked_optimizer(self):
-        """The decorated optimizer whose loss scaling runs inside the graphs, or None."""
-        return self._linked_optimizer() if self._linked_optimizer is not None else None
+        """The decorated optimizer whose `run_graph_scaled` is linked, or None."""
+        run_scaled = self.linked_loss_scaling
+        return run_scaled.__self__ if isinstance(run_scaled, types.MethodType) else None
+
+    def link_loss_scaling(self, run_scaled: GraphRunner | None) -> None:
+        """Run every graph through `run_scaled(run, args)` while autograd is on, so that a plain `loss.backward()`
+        (any training loop) leaves true FP32 gradients in `.grad`; None unlinks. One link per backend: the latest
+        wins. `decorate(optimizer, lists, model=model)` links `optimizer.run_graph_scaled` so.
+
+        Args:
+            run_scaled: `(run, args) -> outputs`, e.g. a decorated optimizer's `run_graph_scaled`. A bound method
+                is held weakly (the link ends with its optimizer); another callable is held as it is.
+        """
+        if run_scaled is not None and not callable(run_scaled):
+            raise ArgumentError(f"link_loss_scaling() takes a function (run, args) -> outputs, got a "
+                                f"{type(run_scaled).__name__}: pass a decorated optimizer's run_graph_scaled.")
+        if isinstance(run_scaled, types.MethodType):
+            self._link = weakref.WeakMethod(run_scaled)
+        else:
+            self._link = None if run_scaled is None else (lambda: run_scaled)
 
     def link_optimizer(self, optimizer) -> None:
-        """Scale gradients inside every graph by this decorated optimizer's loss scaling, so that a plain
-        `loss.backward()` (any training loop) leaves true FP32 gradients in `.grad`.
+        """Scale gradients inside every graph by this decorated optimizer's loss scaling (for a backend of one's
+        own): `link_loss_scaling(optimizer.run_graph_scaled)`.
 
         Each graph's floating outputs pass the gradient on times the scale and its inputs (the master weights,
         the activations from a graph before a graph break) divide it again: between graphs and in `.grad` the
         gradients are true, inside them (the float16 backward) scaled. One optimizer per backend: give each model
-        its own backend. `rewrite()` links itself at `decorate()`.
+        its own backend. `rewrite()` links itself at `decorate(..., model=model)`.
 
         Args:
             optimizer: what `graphamp.decorate()` returned (the latest link wins).
         """
-        if not callable(getattr(optimizer, "_run_graph", None)):  # graphamp.training's OptimizerWithMixedPrecision
+        run_scaled = getattr(optimizer, "run_graph_scaled", None)  # OptimizerWithMixedPrecision's public method
+        if not callable(run_scaled):
             raise ArgumentError(
                 f"link_optimizer() takes the optimizer graphamp.decorate() returns, got {type(optimizer).__name__}: "
                 f"decorate it first."
             )
-        self._linked_optimizer = weakref.ref(optimizer)
+        self.link_loss_scaling(run_scaled)
 
     def __call__(self, gm: GraphModule, example_inputs: list, mode: str | None = None, options: dict | None = None):
         with policy_lifted():  # lowering and inductor trace the graph as dynamo captured it, never cast eagerly
@@ -166,14 +196,14 @@ class AmpBackend:
             self.graph_runs += 1
             graph.runs += 1
             self._module_paths.graph_ran(graph.runs)
-            optimizer = self.linked_optimizer
+            run_scaled = self.linked_loss_scaling
             # The graph holds its casts: graphamp's eager policy leaves its calls alone, and no torch-function mode
             # sees the fx code's ATen calls one by one (dynamo traced the modes; inductor's kernels skip them too).
             with policy_lifted(), torch_function_off():
-                if optimizer is None or not torch.is_grad_enabled():
+                if run_scaled is None or not torch.is_grad_enabled():
                     outputs = run(*args)
                 else:
-                    outputs = optimizer._run_graph(run, args)  # the loss scaling inside the graph (in_graph_scaling)
+                    outputs = run_scaled(run, args)  # the loss scaling inside the graph (training/in_graph_scaling)
             return _presented(outputs, graph.report.outputs_kept_low)
 
         return call
@@ -182,7 +212,7 @@ class AmpBackend:
         """A pickled backend (torch.save of a compiled model) keeps its configuration; graphs and link are remade."""
         state = dict(self.__dict__)
         state.update(
-            graphs=[], graph_runs=0, _linked_optimizer=None,
+            graphs=[], graph_runs=0, _link=None,
             _module_paths=ModulePaths(self.config.lists),
         )
         return state

@@ -13,6 +13,8 @@ float32 copy for the op and free it after, so concurrent readers share nothing m
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from graphamp.torch_private import (
@@ -84,6 +86,13 @@ class LowStorageTensor(torch.Tensor):
 
     def data_ptr(self) -> int:  # where its values are (in the storage dtype): what identity checks compare
         return self._stored.data_ptr()
+
+    def __deepcopy__(self, memo):  # torch's own tells a wrapper by data_ptr() == 0, which data_ptr() above is not
+        if not self.is_leaf:
+            return torch.Tensor.__deepcopy__(self, memo)  # torch's own refusal of a non-leaf
+        if id(self) not in memo:
+            memo[id(self)] = LowStorageTensor(copy.deepcopy(self._stored, memo))
+        return memo[id(self)]
 
     def numpy(self, *, force: bool = False):
         return _upcast(self).detach().numpy(force=force)

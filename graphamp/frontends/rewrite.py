@@ -41,11 +41,12 @@ from graphamp.torch_private import (
     global_module_hooks, module_buffers, recompile_limit,
 )
 
-__all__ = ["AmpState", "rewrite", "rewritten_graphs", "rewritten_models"]
+__all__ = ["AmpState", "amp_states", "rewrite", "rewritten_graphs", "rewritten_models"]
 
 _models_compiled = itertools.count()
 
-# The models rewrite() converted and that are alive: decorate() links an optimizer to those holding its parameters.
+# The models rewrite() converted and that are alive, found by their parameters: by decorate() without model=
+# (deprecated), and by an unpickled optimizer, to link the copy of its model taken with it.
 _REWRITTEN: weakref.WeakSet = weakref.WeakSet()
 
 # Dynamo keeps its graphs, and counts its recompile limit, per code object: shared by every rewritten model, past 8
@@ -158,6 +159,11 @@ def rewritten_models(parameters) -> list[nn.Module]:
     return [m for m in list(_REWRITTEN) if any(id(p) in wanted for p in m.parameters())]
 
 
+def amp_states(module: nn.Module) -> list[AmpState]:
+    """What rewrite() keeps on `module` and on each module inside it that it converted (none: an empty list)."""
+    return [m._graphamp for m in module.modules() if isinstance(getattr(m, "_graphamp", None), AmpState)]
+
+
 class AmpState:
     """What rewrite() keeps on the model as `model._graphamp`: the config, the torch.compile settings, the backend
     that holds the rewritten graphs and the optimizer link, and the eager policy's view of the model. Copies of the
@@ -175,10 +181,9 @@ class AmpState:
     def install(self) -> None:
         """Route the model's calls through torch.compile with a backend of its own (as nn.Module.compile)."""
         model = self.model
-        linked = self.backend.linked_optimizer if self.backend is not None else None
+        linked = self.backend.linked_loss_scaling if self.backend is not None else None
         self.backend = AmpBackend(self.config, self.settings.inductor, model=model)
-        if linked is not None:
-            self.backend.link_optimizer(linked)
+        self.backend.link_loss_scaling(linked)  # model.compile() makes a new backend: the link stays
         model.__dict__["_compiled_call_impl"] = _AmpCall(self)
         # Dynamo, tracing a module call, inlines torch's own `_call_impl` and would skip `_compiled_call_impl`: with
         # a `_call_impl` of its own the model is called through `__call__`, which reaches _AmpCall.
@@ -199,8 +204,9 @@ class AmpState:
         """The lists as a runtime policy for this call (graphamp.auto_cast on this model)."""
         return EagerPolicy(self.rules, self.model_facts)
 
-    def link_optimizer(self, optimizer) -> None:
-        self.backend.link_optimizer(optimizer)
+    def link_loss_scaling(self, run_scaled) -> None:
+        """Run this model's graphs through `run_scaled` (AmpBackend.link_loss_scaling), through reinstalls."""
+        self.backend.link_loss_scaling(run_scaled)
 
     def after_call(self, graph_runs_before: int, compiled_before: int) -> None:
         backend = self.backend

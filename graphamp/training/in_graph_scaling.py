@@ -5,20 +5,28 @@ graph run with autograd on multiplies the gradient entering the graph (at its fl
 the gradient leaving it into each input (the FP32 master weights, activations from the graph before a graph break)
 by 1/scale, both read from the LossScaler's device tensor at forward time (no host sync). Inside, the float16
 backward runs on scaled gradients, as with a scaled loss; outside, AccumulateGrad adds true gradients, so gradient
-accumulation and `clip_grad_norm_` right after `backward()` are right. The optimizer's `step()` checks those gradients for inf/NaN and updates the scale.
+accumulation and `clip_grad_norm_` right after `backward()` are right.
 
-The link: `decorate()` links its optimizer to the rewritten models holding its parameters (rewrite the model first),
-or to the model given as `decorate(..., model=model)`; a model compiled with a graphamp.backend of one's own is
-linked with `amp_backend.link_optimizer(optimizer)`.
+One pass: the division is torch's fused `_amp_foreach_non_finite_check_and_unscale_`, and its found_inf is kept
+(`CheckedGradients`, on the device, no host sync). `step()` counts those flags and checks only the gradients the
+graphs did not leave in `.grad` as they checked them (eager code's, accumulated ones, those changed since).
+
+The link: `decorate(optimizer, lists, model=model)` hands the model's backend the optimizer's `run_graph_scaled`
+(AmpBackend.link_loss_scaling); a model compiled with a graphamp.backend of one's own is linked with
+`amp_backend.link_optimizer(optimizer)`.
 """
 
 from __future__ import annotations
 
+import weakref
+from typing import Callable, NamedTuple
+
 import torch
 
 from graphamp.training.loss_scaler import reciprocal_of
+from graphamp.torch_private import tensor_version
 
-__all__ = ["run_scaled", "scale_gradients", "scaling_factors", "times_present", "unscale_gradients"]
+__all__ = ["CheckedGradients", "run_scaled", "scale_gradients", "scaling_factors", "times_present", "unscale_gradients"]
 
 
 def times_present(factor: torch.Tensor, grads) -> list:
@@ -68,31 +76,103 @@ class _ScaleGradients(torch.autograd.Function):
         return (None, *times_present(factor, grads))
 
 
-class _UnscaleGradients(_ScaleGradients):
+class _UnscaleGradients(torch.autograd.Function):
     """The gradients leaving the graph into the master weights, times 1/scale: in place, in one fused
     `_amp_foreach_non_finite_check_and_unscale_` kernel, as `unscale_()` does, where the gradient is the graph's own
     (computed by its backward, dense, sharing storage with no other gradient of this call, no double backward);
-    elsewhere out of place. Its inf/NaN flag is not needed: `step()` checks every gradient of the optimizer."""
+    elsewhere out of place. Each kernel's found_inf goes to `checks`, so that step() need not check those again."""
+
+    @staticmethod
+    def forward(ctx, factor: torch.Tensor, checks: CheckedGradients | None, *tensors: torch.Tensor):
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(factor)
+        ctx.checks = checks
+        ctx.owners = [None if checks is None else checks.owner_of(t) for t in tensors]
+        return tuple(t.detach() for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads):
         (factor,) = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: the multiply must be differentiable
-            return _ScaleGradients.backward(ctx, *grads)
-        result, in_place, storages = [None, *grads], {}, set()
-        for i, grad in enumerate(grads, start=1):
+            return (None, None, *times_present(factor, grads))
+        result, in_place, storages = [None, None, *grads], {}, set()
+        for i, (grad, owner) in enumerate(zip(grads, ctx.owners), start=2):
             if grad is None:
                 continue
             storage = grad.untyped_storage().data_ptr()
             if grad.is_contiguous() and grad.is_floating_point() and storage not in storages:
-                in_place.setdefault((grad.device, grad.dtype), []).append(grad)
+                # One found_inf per optimizer of decorate([a, b]): each skips on its own gradients only.
+                in_place.setdefault((grad.device, grad.dtype, owner), []).append(grad)
             else:  # an expanded gradient, or one an add's backward also gave another input: leave it unwritten
                 result[i] = grad * factor.to(grad.device)
             storages.add(storage)
-        for (device, _), same_kind in in_place.items():
+        for (device, _, _), same_kind in in_place.items():
             found_inf = torch.zeros((), dtype=torch.float32, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(same_kind, found_inf, factor.to(device))
+            if ctx.checks is not None:
+                ctx.checks.record(same_kind, found_inf)
         return tuple(result)
+
+
+class _Checked(NamedTuple):
+    """A gradient as the graph's backward checked it (its storage, weakly), and the found_inf of that check."""
+
+    storage: weakref.ref
+    layout: tuple
+    version: int
+    found_inf: torch.Tensor
+
+
+class CheckedGradients:
+    """The gradients the graphs divided and checked in place since the last step, each with its kernel's found_inf.
+
+    A parameter's `.grad` counts as checked only while it is that very tensor, unchanged: the same storage, layout
+    and version. AccumulateGrad stores the graph's gradient as it is when `.grad` was None; a second micro-batch's
+    gradient added to it, a gradient from eager code, a hook's or DDP's copy, an in-place change since: all differ,
+    and `step()` checks them itself. (A write through `.grad.data` keeps the version and goes unseen.)
+    """
+
+    def __init__(self, owner_of: Callable[[torch.Tensor], object]) -> None:
+        # Which optimizer of decorate([a, b]) a graph input belongs to: each gets found_infs of its own.
+        self.owner_of = owner_of
+        # By id() of the storage: torch keeps one Python object per storage, as per tensor, so the weak reference
+        # to it is its identity. (Were it not kept, the reference would die at once and step() check everything.)
+        self._checked: dict[int, _Checked] = {}
+        self._prune_at = 64
+
+    def record(self, grads: list[torch.Tensor], found_inf: torch.Tensor) -> None:
+        for grad in grads:
+            if type(grad) is torch.Tensor:  # a subclass (DTensor) may share no real storage: step() checks it
+                storage = grad.untyped_storage()
+                self._checked[id(storage)] = _Checked(weakref.ref(storage), _layout(grad), tensor_version(grad), found_inf)
+        if len(self._checked) > self._prune_at:  # backward after backward with no step(): forget freed gradients
+            self._checked = {key: c for key, c in self._checked.items() if c.storage() is not None}
+            self._prune_at = 2 * len(self._checked) + 64
+
+    def split(self, grads: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(the gradients still to check, the found_infs of the others): their flags count for them."""
+        if not self._checked:
+            return grads, []
+        unchecked, found_infs = [], {}
+        for grad in grads:
+            storage = grad.untyped_storage() if type(grad) is torch.Tensor else None
+            checked = self._checked.get(id(storage)) if storage is not None else None
+            if (checked is not None and checked.storage() is storage and checked.version == tensor_version(grad)
+                    and checked.layout == _layout(grad)):
+                found_infs[id(checked.found_inf)] = checked.found_inf
+            else:
+                unchecked.append(grad)
+        return unchecked, list(found_infs.values())
+
+    def clear(self) -> None:
+        self._checked.clear()
+
+    def __reduce__(self):
+        return CheckedGradients, (self.owner_of,)  # a copy's gradients are its own: none checked yet
+
+
+def _layout(grad: torch.Tensor) -> tuple:
+    return grad.data_ptr(), grad.stride()  # the shape is the parameter's: autograd and AccumulateGrad enforce it
 
 
 def scale_gradients(factor: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -104,28 +184,31 @@ def scale_gradients(factor: torch.Tensor, tensors: list[torch.Tensor]) -> list[t
     return _through(_ScaleGradients, factor, tensors)
 
 
-def unscale_gradients(inv_scale: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """As scale_gradients(inv_scale, tensors), for the gradients the graph computes: divided in place."""
-    return _through(_UnscaleGradients, inv_scale, tensors)
+def unscale_gradients(inv_scale: torch.Tensor, tensors: list[torch.Tensor],
+                      checks: CheckedGradients | None = None) -> list[torch.Tensor]:
+    """As scale_gradients(inv_scale, tensors), for the gradients the graph computes: divided in place and checked
+    for inf/NaN, the found_inf recorded in `checks`."""
+    return _through(_UnscaleGradients, inv_scale, tensors, checks)
 
 
-def _through(function: type[torch.autograd.Function], factor: torch.Tensor, tensors: list) -> list:
+def _through(function: type[torch.autograd.Function], factor: torch.Tensor, tensors: list, *extra) -> list:
     """`tensors`, those requiring grad replaced by `function`'s outputs for them (one node for all)."""
     positions = [i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not positions:
         return tensors
     tensors = list(tensors)
-    for i, t in zip(positions, function.apply(factor, *(tensors[i] for i in positions))):
+    for i, t in zip(positions, function.apply(factor, *extra, *(tensors[i] for i in positions))):
         tensors[i] = t
     return tensors
 
 
-def run_scaled(run, inputs: list, scale: torch.Tensor):
+def run_scaled(run, inputs: list, scale: torch.Tensor, checks: CheckedGradients | None = None):
     """`run(*inputs)` with the gradient entering its floating outputs times `scale` and that leaving into each
-    input requiring grad (the master weights, an activation) divided by it: transparent from outside."""
+    input requiring grad (the master weights, an activation) divided by it: transparent from outside. The inf/NaN
+    check of the gradients leaving goes to `checks`."""
     up, down = scaling_factors(scale)
     # Outputs computed from other outputs (HF's loss from the logits): only the gradient from outside is scaled.
-    return scale_gradients(up, list(run(*unscale_gradients(down, inputs))))
+    return scale_gradients(up, list(run(*unscale_gradients(down, inputs, checks))))
 
 
 def scaling_factors(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

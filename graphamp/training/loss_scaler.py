@@ -190,10 +190,11 @@ class LossScaler:
         """Divide ``grads`` by the scale in place; return ``found_inf``, a float32 0-dim tensor (1.0 if any inf/NaN)."""
         return self._check_and_unscale(grads, reciprocal_of(self._require_scale("unscale_")))
 
-    def check_finite(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
-        """``found_inf`` for ``grads`` without unscaling them (fused optimizers unscale inside their own kernel)."""
+    def check_finite(self, grads: Sequence[torch.Tensor], checked: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+        """``found_inf`` for ``grads`` without unscaling them (fused optimizers unscale inside their own kernel).
+        ``checked``: the found_inf tensors of gradients checked already (inside the graphs), counted in."""
         scale = self._require_scale("check_finite")
-        return self._check_and_unscale(grads, torch.ones((), dtype=torch.float32, device=scale.device))
+        return self._check_and_unscale(grads, torch.ones((), dtype=torch.float32, device=scale.device), checked)
 
     def _require_scale(self, what: str) -> torch.Tensor:
         if self._scale is None:
@@ -202,11 +203,15 @@ class LossScaler:
             )
         return self._scale
 
-    def _check_and_unscale(self, grads: Sequence[torch.Tensor], inv_scale: torch.Tensor) -> torch.Tensor:
+    def _check_and_unscale(self, grads: Sequence[torch.Tensor], inv_scale: torch.Tensor,
+                           checked: Sequence[torch.Tensor] = ()) -> torch.Tensor:
         found_inf = torch.zeros((), dtype=torch.float32, device=inv_scale.device)
         per_device = {inv_scale.device: (found_inf, inv_scale)}
         with torch.no_grad():
-            for (device, _), ([same_device_and_dtype], _) in group_by_device_and_dtype(list(grads)).items():
+            for other in checked:
+                found_inf.add_(other.to(found_inf.device, non_blocking=True))
+            grouped = group_by_device_and_dtype(list(grads)).items() if grads else ()
+            for (device, _), ([same_device_and_dtype], _) in grouped:
                 if device not in per_device:
                     device_found_inf = torch.zeros((), dtype=torch.float32, device=device)
                     per_device[device] = (device_found_inf, inv_scale.to(device, non_blocking=True))

@@ -5,15 +5,16 @@ from __future__ import annotations
 import copy
 import enum
 import inspect
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from graphamp.errors import ArgumentError, LossScalingError
-from graphamp.frontends.rewrite import AmpState, rewritten_models
+from graphamp.frontends.rewrite import amp_states, rewritten_models
 from graphamp.policy.dtypes import HALF_DTYPES, dtype_name, resolve_dtype
-from graphamp.training.in_graph_scaling import run_scaled
+from graphamp.training.in_graph_scaling import CheckedGradients, run_scaled
 from graphamp.training.loss_scaler import LossScaler
 from graphamp.torch_private import fused_step_takes_loss_scaling, sparse_values, tensor_version
 
@@ -45,11 +46,13 @@ def decorate(
     of the last wrapper to step, from the inf/NaN found by any of them (GradScaler's ``update()`` after all
     ``step()`` calls). So every wrapper of the list steps once per iteration; one ``backward`` may feed them all.
 
-    Any loop: the wrappers are linked to the models ``graphamp.rewrite()`` converted that hold their parameters
-    (or to ``model``, a rewritten model or a module holding one), which then scale the gradients inside their
-    graphs; a plain ``loss.backward()`` leaves true gradients in ``.grad`` and ``step()`` skips on inf/NaN. See
+    Any loop: with ``model`` (a model ``graphamp.rewrite()`` converted, or a module holding one), the rewritten
+    model's graphs run through the first wrapper's ``run_graph_scaled``, which scales the gradients inside them; a
+    plain ``loss.backward()`` leaves true gradients in ``.grad`` and ``step()`` skips on inf/NaN. See
     docs/training_loops.md. Rewrite the model before decorating its optimizer, and decorate with the lists it was
-    rewritten with: lists of the other dtype are refused, since the loss scaling follows their dtype.
+    rewritten with: lists of the other dtype are refused, since the loss scaling follows their dtype. Without
+    ``model``, the rewritten models holding the optimizer's parameters are found and linked, with a FutureWarning:
+    pass ``model=model``.
     """
     optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
     if not optimizers:
@@ -106,33 +109,43 @@ def _check_argument_types(use_dynamic_loss_scaling: Any, process_group: Any, mod
 
 def _link(optimizers: list[OptimizerWithMixedPrecision], model: torch.nn.Module | None, dtype: torch.dtype | None):
     """Link decorated optimizers (sharing one loss scaler) to the rewritten models that feed their parameters:
-    those found through the parameters, or those inside `model`. `dtype`: the decorated lists' (None: none given)."""
+    those inside `model`, or (deprecated) those found through the parameters. `dtype`: the decorated lists' (None:
+    none given)."""
     parameters = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
     if model is None:
-        models = rewritten_models(parameters)
+        found = rewritten_models(parameters)
+        states = [state for m in found for state in amp_states(m)]
     else:
-        models = [m for m in model.modules() if isinstance(getattr(m, "_graphamp", None), AmpState)]
-        if not models:
+        states = amp_states(model)
+        if not states:
             raise LossScalingError(
                 f"decorate(model=...) got a {type(model).__name__} that graphamp.rewrite() did not convert, nor any "
                 "module inside it: rewrite the model first, then decorate its optimizer."
             )
-        owned = {id(p) for m in models for p in m.parameters()}
+        owned = {id(p) for state in states for p in state.model.parameters()}
         if not any(id(p) in owned for p in parameters):
             raise LossScalingError(
                 "decorate(model=...): the optimizer holds none of that model's parameters; build the optimizer from "
                 "model.parameters()."
             )
     # The loss scaling follows the decorated lists' dtype: bfloat16's (1.0) lets float16 gradients underflow to 0.
-    other = next((m for m in models if dtype not in (None, m._graphamp.config.lists.dtype)), None)
+    other = next((state for state in states if dtype not in (None, state.config.lists.dtype)), None)
     if other is not None:
         raise LossScalingError(
-            f"decorate() got {dtype_name(dtype)} lists, but this {type(other).__name__} was rewritten with "
-            f"{dtype_name(other._graphamp.config.lists.dtype)} lists, whose gradients need their own loss scaling. "
+            f"decorate() got {dtype_name(dtype)} lists, but this {type(other.model).__name__} was rewritten with "
+            f"{dtype_name(other.config.lists.dtype)} lists, whose gradients need their own loss scaling. "
             f"Fix: decorate with the same AutoMixedPrecisionLists the model was rewritten with."
         )
-    for rewritten in models:
-        rewritten._graphamp.link_optimizer(optimizers[0])
+    if model is None and states:
+        names = ", ".join(sorted({type(state.model).__name__ for state in states}))
+        # FutureWarning, as torch's own deprecations (torch.cuda.amp.autocast): shown to users, not only to tests.
+        warnings.warn(
+            f"graphamp.decorate() found the rewritten {names} through the optimizer's parameters and linked it; "
+            "finding it that way is deprecated. Fix: pass the model, graphamp.decorate(optimizer, amp_lists, "
+            "model=model).", FutureWarning, stacklevel=3,
+        )
+    for state in states:
+        state.link_loss_scaling(optimizers[0].run_graph_scaled)
 
 
 class _Stage(enum.Enum):
@@ -148,6 +161,19 @@ class _Iteration:
         self.members = [member]
         self.loss_scaled = False
         self.scaled_in_graph = False  # a linked model scaled gradients in its graphs since the last step
+        self.checks = CheckedGradients(self.owner_of)  # the gradients those graphs checked for inf/NaN
+        self._owners: dict[int, int] | None = None
+
+    def owner_of(self, tensor: torch.Tensor) -> int | None:
+        """Which member holds `tensor` (a parameter), so that each member's found_inf covers its own gradients."""
+        if len(self.members) == 1:
+            return None
+        if self._owners is None:
+            self._owners = {id(p): i for i, m in enumerate(self.members) for g in m.param_groups for p in g["params"]}
+        return self._owners.get(id(tensor))
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_owners": None}  # by id(): a copy's parameters are other objects
 
     def finish_if_all_stepped(self, loss_scaler: LossScaler) -> None:
         if any(m._stage is not _Stage.STEPPED for m in self.members):
@@ -164,6 +190,8 @@ class _Iteration:
             member._stage = _Stage.READY
         self.loss_scaled = False
         self.scaled_in_graph = False
+        self.checks.clear()
+        self._owners = None
 
     def waiting_for(self) -> str:
         waiting = [f"#{i} ({type(member._optimizer).__name__})" for i, member in enumerate(self.members)
@@ -245,10 +273,12 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._scaled_versions = {}
-        # A copy taken with its model (model first) trains that copy with in-graph scaling, as the original did.
+        # A copy taken with its model (model first) trains that copy with in-graph scaling, as the original did:
+        # pickle tells no other way that the two were copied together than the parameters they share.
         for rewritten in rewritten_models(p for group in self.param_groups for p in group["params"]):
-            if rewritten._graphamp.backend.linked_optimizer is None:
-                rewritten._graphamp.link_optimizer(self)
+            for amp_state in amp_states(rewritten):
+                if amp_state.backend.linked_loss_scaling is None:
+                    amp_state.link_loss_scaling(self.run_graph_scaled)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._optimizer.zero_grad(set_to_none=set_to_none)
@@ -469,9 +499,9 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
 
     def _models_linked_to_another_loss_scaler(self) -> list[str]:
         """The rewritten models holding this optimizer's parameters whose link a later decorate() call took."""
-        linked = [(type(m).__name__, m._graphamp.backend._linked_optimizer) for m in
-                  rewritten_models(p for group in self.param_groups for p in group["params"])]
-        return [name for name, link in linked if link is not None and link() not in (None, *self._iteration.members)]
+        models = rewritten_models(p for group in self.param_groups for p in group["params"])
+        linked = [(type(s.model).__name__, s.backend.linked_optimizer) for m in models for s in amp_states(m)]
+        return [name for name, owner in linked if owner is not None and owner not in self._iteration.members]
 
     def _grads(self) -> list[torch.Tensor]:
         grads = []
@@ -493,18 +523,21 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
 
     # -- loss scaling inside a linked model's graphs ------------------------------------------------------------
 
-    def _run_graph(self, run: Callable, args: tuple) -> Any:
-        """A linked model's graph run, its gradients scaled inside by this optimizer's loss scaling."""
+    def run_graph_scaled(self, run: Callable, args: tuple) -> Any:
+        """``run(*args)``, one graph of a linked model, its gradients scaled inside by this optimizer's loss scaling
+        and checked for inf/NaN as they leave it: the function ``decorate(..., model=model)`` links to the model's
+        backend (``AmpBackend.link_loss_scaling``)."""
         if self.loss_scaler.is_fixed_at_one():  # bfloat16's default: the gradients need no scaling
             return run(*args)
         self._iteration.scaled_in_graph = True
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
-        return run_scaled(run, list(args), self.loss_scaler.state_on(device))
+        return run_scaled(run, list(args), self.loss_scaler.state_on(device), self._iteration.checks)
 
     def _check_true_gradients(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """``found_inf`` of gradients that hold no scaling (in-graph scaling, or a scale fixed at 1.0)."""
+        """``found_inf`` of gradients that hold no scaling (in-graph scaling, or a scale fixed at 1.0): the graphs'
+        own flags for the gradients they checked as they left them, one fused check of the others."""
         self.loss_scaler.state_on(grads[0].device)
-        return self.loss_scaler.check_finite(grads)
+        return self.loss_scaler.check_finite(*self._iteration.checks.split(grads))
 
     # -- for logging ------------------------------------------------------------------------------------------------
 
