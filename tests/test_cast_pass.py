@@ -464,7 +464,9 @@ def test_casts_executed_by_a_cnn_are_no_more_than_torch_autocast(rewritten, seed
     amp = rewritten.convert(model, (x,), amp_lists=BF16)
     with amp.recording() as graphamp_run:
         loss_of(amp.run(x)).backward()
-    assert 0 < graphamp_run.casts <= autocast_run.casts
+    # loss_of's `pow` saves its input for backward: autocast's float32 copy, or a rewritten model's low output, which
+    # the backward reads (upcasts) again: one cast more, autocast's memory.
+    assert 0 < graphamp_run.casts <= autocast_run.casts + (rewritten.name == "compile")
 
 
 # -- same lists, same decisions ----------------------------------------------------------------------------------
