@@ -4,6 +4,7 @@ blocks or the model itself, registered before or after rewrite(), on every call 
 torch.compile traces them into the model's graphs and guards on them, so adding or removing one recompiles."""
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -80,6 +81,47 @@ def test_removed_hook_no_longer_changes_values(bf16):
     graphamp.rewrite(model, (x,), amp_lists=bf16)
     handle.remove()
     assert relative_error(model(x), autocast_output(eager, x)) < 1e-2
+
+
+def add_ten(module, args, output):
+    return output + 10
+
+
+def hook_registrations(model):
+    """Three hooks, on the model and on its layers, in the order the other thread registers (and removes) them."""
+    return [lambda: model.register_forward_hook(add_ten), lambda: model.fc1.register_forward_pre_hook(double_input),
+            lambda: model.fc2.register_forward_hook(shift_output)]
+
+
+def test_hooks_that_another_thread_adds_and_removes_apply_to_each_call_as_of_one_moment(bf16):
+    """Dynamo reads a module's hooks when it traces a call and again when it builds that call's guards: a hook added or
+    removed in between failed the call (IndexError in dynamo's guard code, under torch.compile too). A rewritten
+    model's hook tables change between its calls, so every call runs with some moment's hooks, as eager would."""
+    model, x = model_and_batch()
+    eager = copy.deepcopy(model)
+    graphamp.rewrite(model, (x,), amp_lists=bf16)
+    expected = []  # autocast's output with each set of hooks the other thread passes through
+    for chosen in ([], [0], [0, 1], [0, 1, 2], [1, 2], [2]):
+        handles = [hook_registrations(eager)[i]() for i in chosen]
+        expected.append(autocast_output(eager, x))
+        for handle in handles:
+            handle.remove()
+    stop = threading.Event()
+
+    def add_and_remove_hooks():
+        while not stop.is_set():
+            for handle in [register() for register in hook_registrations(model)]:
+                handle.remove()
+
+    thread = threading.Thread(target=add_and_remove_hooks)
+    thread.start()
+    try:
+        outputs = [model(x) for _ in range(300)]
+    finally:
+        stop.set()
+        thread.join()
+    for output in outputs:
+        assert min(relative_error(output, hooked) for hooked in expected) < BF16_TOLERANCE
 
 
 def test_a_prepended_pre_hook_runs_before_the_others_as_in_eager(bf16):

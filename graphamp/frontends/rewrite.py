@@ -27,6 +27,7 @@ import threading
 import types
 import warnings
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -127,6 +128,7 @@ def rewrite(
     checkpointed = _checkpoint_modules(model, checkpoint) if checkpoint is not None else []
     try:
         AmpState(model, config, settings).install()
+        _lock_hook_tables(model, model._graphamp.lock)  # before any compile: dynamo guards on a table's type
         if example_args or example_kwargs:
             _compile_ahead(model, example_args, example_kwargs)
     except BaseException:  # Ctrl-C included: a rewrite that did not finish leaves the model as it was
@@ -177,6 +179,10 @@ class AmpState:
         self.rules = rules_for(config)
         self.model_facts = ModelFacts(model, config)
         self.warned_eager_call = False
+        # Dynamo keeps the torch-function mode stack of the thread it compiles in a process-wide slot: a call that
+        # another thread makes meanwhile loses its modes, the eager policy with them, and runs float32. Calls of one
+        # model from several threads run one at a time, and its modules' hook tables change between calls.
+        self.lock = threading.RLock()
 
     def install(self) -> None:
         """Route the model's calls through torch.compile with a backend of its own (as nn.Module.compile)."""
@@ -242,10 +248,6 @@ class _AmpCall:
         self.state = state
         self.compiled = state.compiled_call()
         self.global_hooks = global_module_hooks()
-        # Dynamo keeps the torch-function mode stack of the thread it compiles in a process-wide slot: a call that
-        # another thread makes meanwhile loses its modes, the eager policy with them, and runs float32. Calls of one
-        # model from several threads run one at a time.
-        self.lock = threading.RLock()
 
     # A torch.compile around the model (Trainer(torch_compile=True), Lightning's) would trace into this call and have
     # its own backend compile the model without graphamp's casts: it breaks its graph here, and this call runs.
@@ -267,7 +269,7 @@ class _AmpCall:
             self.global_hooks, self.compiled = hooks, state.compiled_call()
         backend = state.backend
         try:
-            with _interrupts_kept(), self.lock, state.eager_policy():
+            with _interrupts_kept(), state.lock, state.eager_policy():
                 runs, compiled = backend.graph_runs, len(backend.graphs)
                 result = self.compiled(state.model, *args, **kwargs)
                 state.after_call(runs, compiled)
@@ -364,6 +366,45 @@ def _call_module(module: nn.Module, *args, **kwargs):
     return call_module_with_hooks(module, *args, **kwargs)
 
 
+class _HookTable(OrderedDict):
+    """A module's hook table that changes under its model's call lock. Dynamo reads the tables of the modules a call
+    runs when it traces the call and again, by position, when it builds that call's guards: a hook registered or
+    removed by another thread in between failed the call (an IndexError in dynamo's guard code). Copies are plain."""
+
+    lock = contextlib.nullcontext()  # a table made by copy() or `|`, not by _lock_hook_tables
+
+    def __reduce__(self):
+        return OrderedDict, (), None, None, iter(self.items())
+
+
+def _under_lock(change):
+    @functools.wraps(change)
+    def locked(table, *args, **kwargs):
+        with table.lock:
+            return change(table, *args, **kwargs)
+    return locked
+
+
+for _change in ("__setitem__", "__delitem__", "__ior__", "move_to_end", "pop", "popitem", "clear", "update",
+                "setdefault"):
+    setattr(_HookTable, _change, _under_lock(getattr(OrderedDict, _change)))
+
+_HOOK_TABLES = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+                "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks")
+
+
+def _lock_hook_tables(model: nn.Module, lock) -> None:
+    """Every empty hook table that dynamo reads (and guards on) in the model's modules becomes a _HookTable changed
+    under `lock`. A table that already holds hooks stays the dict it is: their handles remove them from that dict."""
+    for module in model.modules():
+        for name in _HOOK_TABLES:
+            table = module.__dict__.get(name)
+            if type(table) is OrderedDict and not table:
+                table = module.__dict__[name] = _HookTable()
+                table.lock = lock
+
+
+
 def _fresh_call_module():
     """`_call_module` with a code object of its own, named apart: dynamo keeps its cache and recompile limit per code
     object, and its automatic-dynamic record of input sizes per (file, line, name)."""
@@ -439,7 +480,9 @@ def _refuse_examples_that_do_not_fit(model: nn.Module, args: tuple, kwargs: dict
 
 
 def _undo_conversion(model: nn.Module, before: dict, checkpointed: list[tuple[nn.Module, object]]) -> None:
-    """Put back what rewrite() set on the model (its call, `compile`, `_graphamp`, checkpointed forwards)."""
+    """Put back what rewrite() set on the model (call, `compile`, `_graphamp`, hook tables, checkpointed forwards)."""
+    for module in model.modules():
+        module.__dict__.update({k: OrderedDict(v) for k, v in vars(module).items() if type(v) is _HookTable})
     for name in _INSTALLED:
         if name in before:
             model.__dict__[name] = before[name]
