@@ -108,20 +108,25 @@ def main() -> None:
     kinds = [False] * (not args.compiled_only) + [True] * (not args.eager_only)
     print(f"{device_name(args.device)}, torch {torch.__version__}, {datetime.date.today()}; bfloat16; median of "
           f"{args.rounds} interleaved rounds of {args.steps} steps per mode\n")
-    print("| model | mode | FP32 ms | autocast ms | graphamp ms | graphamp × autocast speed (wall) | (CPU time) "
+    print("| model | mode | FP32 ms | autocast ms | graphamp ms | graphamp × autocast speed (wall; rounds' range) "
+          "| (CPU time) "
           "| auto_cast ms | auto_cast × autocast speed (wall; rounds' range) |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for model_name in args.models.split(","):
         for compiled in kinds:
             t = measure(steps_for(model_name, compiled, args.device, args.size), args.rounds, args.steps, args.device)
-            (fp32, _, _), (autocast, autocast_cpu, autocast_rounds), (amp, amp_cpu, _) = (t[mode] for mode in MODES)
+            (fp32, _, _), (autocast, autocast_cpu, autocast_rounds), (amp, amp_cpu, amp_rounds) = (
+                t[mode] for mode in MODES
+            )
+            amp_ratios = [a / b for a, b in zip(autocast_rounds, amp_rounds)]  # the same round's pair
             eager_policy = ["", ""]
             if "auto_cast" in t:
                 ratios = [a / b for a, b in zip(autocast_rounds, t["auto_cast"][2])]  # the same round's pair
                 eager_policy = [f"{1e3 * t['auto_cast'][0]:.1f}", f"{statistics.median(ratios):.3f}× "
                                 f"({min(ratios):.2f}-{max(ratios):.2f})"]
             print(f"| {model_name} | {'compiled' if compiled else 'eager'} | {1e3 * fp32:.1f} | {1e3 * autocast:.1f} | "
-                  f"{1e3 * amp:.1f} | {autocast / amp:.3f}× | {autocast_cpu / amp_cpu:.3f}× | "
+                  f"{1e3 * amp:.1f} | {autocast / amp:.3f}× ({min(amp_ratios):.2f}-{max(amp_ratios):.2f}) | "
+                  f"{autocast_cpu / amp_cpu:.3f}× | "
                   + " | ".join(eager_policy) + " |", flush=True)
 
 
