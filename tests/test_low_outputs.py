@@ -99,6 +99,15 @@ def test_a_write_into_it_rounds_into_its_storage_and_its_views_see_it(head):
     assert torch.equal(view * 1, expected[:, :2])
 
 
+def test_an_op_writing_a_buffer_reads_it_upcast_also_inside_a_list(head):
+    model, _, x = head
+    with torch.no_grad():
+        out = model(x)
+        buffer = torch.empty(8, 16)
+        torch.cat([out, out], out=buffer)  # the tensors to read are a list argument of a writing op
+    assert torch.equal(buffer, graphamp.stored_values(out).float().repeat(2, 1))
+
+
 def test_it_leaves_python_as_the_float32_tensor_it_presents(head):
     model, _, x = head
     out = model(x)

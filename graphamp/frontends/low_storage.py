@@ -14,6 +14,7 @@ float32 copy for the op and free it after, so concurrent readers share nothing m
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 
@@ -56,20 +57,20 @@ class LowStorageTensor(torch.Tensor):
     @never_a_frame_of_its_own  # runs eagerly between graphs: dynamo must not compile it as a frame of its own
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        first = args[0] if args else None
-        if func in _STORAGE_OPS and isinstance(first, LowStorageTensor):
-            result = func(first._stored, *args[1:], **kwargs)
-            return pytree.tree_map_only(torch.Tensor, LowStorageTensor, result)
-        if func is aten._to_copy.default and isinstance(first, LowStorageTensor):
-            target = kwargs.get("dtype")
-            if target == first._stored.dtype:  # a cast to the storage dtype: the stored values, exactly
-                return func(first._stored, **kwargs)
-            if target is None:  # .to(device): moves, stays low
-                return LowStorageTensor(func(first._stored, **kwargs))
-        if op_schema(func).is_mutable:  # a write into one: rounded into its storage, as into a low tensor
-            return _written(func, args, kwargs)
-        return func(*pytree.tree_map_only(LowStorageTensor, _upcast, args),
-                    **pytree.tree_map_only(LowStorageTensor, _upcast, kwargs))
+        how = _how_it_runs(func, args, kwargs)
+        if how == "on the storage":
+            return pytree.tree_map_only(torch.Tensor, LowStorageTensor, func(args[0]._stored, *args[1:], **kwargs))
+        if how == "the stored values":
+            return func(args[0]._stored, **kwargs)
+        if how == "moved":
+            return LowStorageTensor(func(args[0]._stored, **kwargs))
+        # A read upcasts each LowStorageTensor; a write goes into the storage of those it writes (rounded to the
+        # storage dtype, as into a low tensor) and returns them.
+        writes, written = _written_arguments(func), {}
+        args = [_storage_if_written(v, a.name in writes, written) for a, v in zip(op_schema(func).arguments, args)]
+        kwargs = {name: _storage_if_written(v, name in writes, written) for name, v in kwargs.items()}
+        result = func(*args, **kwargs)
+        return pytree.tree_map_only(torch.Tensor, lambda t: written.get(id(t), t), result)
 
     def __tensor_flatten__(self):
         return ["_stored"], None
@@ -104,46 +105,46 @@ class LowStorageTensor(torch.Tensor):
 def upcasts_of(func, args: tuple, kwargs: dict) -> list[torch.dtype]:
     """The storage dtypes of the LowStorageTensors `func(*args, **kwargs)` reads upcast, one each (a recorder of
     the kernels that ran counts these casts, which run inside __torch_dispatch__, below any dispatch mode)."""
-    shown = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, LowStorageTensor)]
-    first = args[0] if args else None
-    if not shown or (isinstance(first, LowStorageTensor) and (
-            func in _STORAGE_OPS or func is aten._to_copy.default and kwargs.get("dtype") in (None, first._stored.dtype))):
+    if _how_it_runs(func, args, kwargs) != "read or write":
         return []
-    if op_schema(func).is_mutable:
-        schema = op_schema(func).arguments
-        writes = {a.name for a in schema if a.alias_info is not None and a.alias_info.is_write}
-        written = [v for a, v in [*zip(schema, args), *((_Named(n), v) for n, v in kwargs.items())] if a.name in writes]
-        shown = [t for t in shown if not any(t is w for w in written)]
-    return [t._stored.dtype for t in shown]
+    writes = _written_arguments(func)
+    named = [*zip((a.name for a in op_schema(func).arguments), args), *kwargs.items()]
+    return [t._stored.dtype for name, value in named if name not in writes
+            for t in pytree.tree_leaves(value) if isinstance(t, LowStorageTensor)]
 
 
-class _Named:
-    def __init__(self, name: str):
-        self.name = name
+def _how_it_runs(func, args: tuple, kwargs: dict) -> str:
+    """How __torch_dispatch__ runs `func`: "on the storage" (it only moves or reshapes its first argument: the
+    result stays low), "the stored values" (a cast to the storage dtype), "moved" (`.to(device)`), else "read or
+    write"."""
+    first = args[0] if args else None
+    if isinstance(first, LowStorageTensor):
+        if func in _STORAGE_OPS:
+            return "on the storage"
+        if func is aten._to_copy.default and kwargs.get("dtype") == first._stored.dtype:
+            return "the stored values"
+        if func is aten._to_copy.default and kwargs.get("dtype") is None:
+            return "moved"
+    return "read or write"
+
+
+@functools.cache  # asked on every op that reads a LowStorageTensor
+def _written_arguments(func) -> frozenset[str]:
+    """The names of the arguments `func` writes into (in-place and out= ops)."""
+    return frozenset(a.name for a in op_schema(func).arguments if a.alias_info is not None and a.alias_info.is_write)
+
+
+def _storage_if_written(value, written: bool, targets: dict):
+    """An argument as the op takes it: the storage of a LowStorageTensor it writes (remembered in `targets`, so
+    that the op's result is the LowStorageTensor again), every LowStorageTensor it reads upcast."""
+    if written and isinstance(value, LowStorageTensor):
+        targets[id(value._stored)] = value
+        return value._stored
+    return pytree.tree_map_only(LowStorageTensor, _upcast, value)
 
 
 def _upcast(tensor: LowStorageTensor) -> torch.Tensor:
     return tensor._stored.to(torch.float32)
-
-
-def _written(func, args: tuple, kwargs: dict):
-    """A mutating op: the LowStorageTensors it writes are replaced by their storage, those it reads upcast."""
-    schema = op_schema(func).arguments
-    writes = {a.name for a in schema if a.alias_info is not None and a.alias_info.is_write}
-    targets = {}
-
-    def argument(name, value):
-        if not isinstance(value, LowStorageTensor):
-            return value
-        if name in writes:
-            targets[id(value._stored)] = value
-            return value._stored
-        return _upcast(value)
-
-    args = [argument(a.name, v) for a, v in zip(schema, args)]
-    kwargs = {name: argument(name, v) for name, v in kwargs.items()}
-    result = func(*args, **kwargs)
-    return pytree.tree_map_only(torch.Tensor, lambda t: targets.get(id(t), t), result)
 
 
 class _PresentAsFloat32(torch.autograd.Function):
