@@ -18,6 +18,7 @@ and `_call_impl` that frontends/rewrite.py installs on the model as nn.Module.co
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 import torch._dispatch.python
@@ -228,18 +229,36 @@ def never_a_frame_of_its_own(function):
 
 # -- lowering dynamo's graph to ATen -----------------------------------------------------------------------------
 
+_exporting_for_graphamp = threading.local()
+
+
 @contextlib.contextmanager
 def recording_functorch_transforms():
     """functorch's pre-dispatch wrappers (`_add_batch_dim`, `_vmap_increment_nesting`) record themselves in the graph
-    only while torch says it is exporting; traced otherwise, they would batch the tracer's own tensors. Checked on torch
-    2.13 (2.11: not yet run); pinned by tests/test_call_cost_passes.py
-    (test_grouping_heads_keeps_a_vmap_in_the_same_graph)."""
+    only while torch says it is exporting; traced otherwise, they would batch the tracer's own tensors. That flag is
+    process-wide: `exporting_elsewhere_for_graphamp()` tells other threads it is not theirs. Checked on torch 2.13
+    (2.11: not yet run); pinned by tests/test_call_cost_passes.py (test_grouping_heads_keeps_a_vmap_in_the_same_graph)
+    and tests/test_eager_parity.py (test_threads_calling_while_another_compiles_never_see_fake_parameters)."""
+    global _threads_exporting_for_graphamp
     exporting = torch.compiler._is_exporting_flag
     torch.compiler._is_exporting_flag = True
+    _exporting_for_graphamp.on = True
+    _threads_exporting_for_graphamp += 1
     try:
         yield
     finally:
+        _threads_exporting_for_graphamp -= 1
+        _exporting_for_graphamp.on = False
         torch.compiler._is_exporting_flag = exporting
+
+
+_threads_exporting_for_graphamp = 0
+
+
+def exporting_elsewhere_for_graphamp() -> bool:
+    """Whether torch.compiler.is_exporting() is True only because graphamp lowers a graph with a vmap in another
+    thread (not a torch.export of this thread's)."""
+    return _threads_exporting_for_graphamp > 0 and not getattr(_exporting_for_graphamp, "on", False)
 
 
 def trace_inside_make_fx(function):

@@ -118,6 +118,37 @@ def test_threads_calling_while_another_compiles_never_see_fake_parameters(bf16):
         assert relative_error(outputs[n], autocast_output(model, batch)) < 3e-2
 
 
+EXPORTING_SEEN_WHILE_LOWERING = []
+
+
+@torch.library.custom_op("graphamp_eager_parity::noted", mutates_args=())
+def noted(x: torch.Tensor) -> torch.Tensor:
+    return x.clone()
+
+
+@noted.register_fake
+def _(x):
+    EXPORTING_SEEN_WHILE_LOWERING.append(torch.compiler.is_exporting())
+    return torch.empty_like(x)
+
+
+def test_compiling_a_graph_without_a_vmap_leaves_torchs_process_wide_exporting_flag_down(bf16):
+    """torch.compiler.is_exporting() is one flag for the whole process: while it is up, every other thread's calls of
+    a rewritten model took the export path (the FP32 code, without the model's lock) and raced in torch's own
+    torch.compiler.disable wrapper (KeyError: 'custom'). graphamp raises it only to lower a graph with a vmap."""
+    class Noting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return noted(self.linear(x))
+
+    EXPORTING_SEEN_WHILE_LOWERING.clear()
+    graphamp.rewrite(Noting(), (torch.randn(2, 8),), amp_lists=bf16)
+    assert EXPORTING_SEEN_WHILE_LOWERING and not any(EXPORTING_SEEN_WHILE_LOWERING)
+
+
 def test_torch_compile_around_a_rewritten_model_trains_and_takes_new_shapes(bf16):
     """An outer torch.compile (a trainer's torch_compile=True) reaches the rewritten model's own compiled call."""
     model, x = model_and_batch()

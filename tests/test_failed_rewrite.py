@@ -84,8 +84,12 @@ def test_ctrl_c_that_lands_where_python_ignores_exceptions_still_reaches_the_cal
             self.linear = nn.Linear(8, 8)
 
         def forward(self, x):
-            InterruptedWhileCollected()  # collected at once: SIGINT inside its __del__
+            collect_one()
             return self.linear(x)
+
+    @torch.compiler.disable  # run as Python runs it, so the object is collected within the call, whatever dynamo keeps
+    def collect_one():
+        InterruptedWhileCollected()  # collected at once: SIGINT inside its __del__
 
     model = graphamp.rewrite(Model(), amp_lists=bf16)
     with pytest.raises(KeyboardInterrupt):

@@ -13,6 +13,7 @@ Each node keeps dynamo's `nn_module_stack` (module_paths.py turns its paths into
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -51,7 +52,8 @@ def to_aten(gm: GraphModule, example_inputs: list, index: int = 0) -> tuple[Grap
     allowed = fake_mode.allow_non_fake_inputs
     fake_mode.allow_non_fake_inputs = True  # tensors the graph holds as attributes (get_attr) become constants
     try:
-        with fake_mode, recording_functorch_transforms():
+        recording = recording_functorch_transforms() if _transforms_functions(gm) else contextlib.nullcontext()
+        with fake_mode, recording:
             aten_graph = make_fx(run, pre_dispatch=True)(*fake_inputs)
     except Exception as error:
         raise CaptureError(
@@ -99,6 +101,16 @@ def _trace_autograd_function(forward: GraphModule, backward: GraphModule, *args,
     with disable_proxy_modes_tracing():
         result = _AUTOGRAD_FUNCTION(forward_aten, backward_aten, *args, **kwargs)
     return track_tensor_tree(result, proxy, constant=None, tracer=mode.tracer)
+
+
+def _transforms_functions(gm: GraphModule) -> bool:
+    """Whether the graph calls functorch's transforms (a vmap): only then is the process-wide exporting flag raised,
+    which every other thread sees while it is up."""
+    return any(
+        node.op == "call_function" and (getattr(node.target, "__module__", None) or "").startswith("torch._functorch")
+        for module in gm.modules() if isinstance(module, GraphModule)
+        for node in module.graph.nodes
+    )
 
 
 def _interpreted(graph_module: GraphModule):

@@ -38,7 +38,7 @@ from graphamp.frontends.compile_backend import AmpBackend, BackendGraph, refuse_
 from graphamp.frontends.eager_policy import EagerPolicy, ModelFacts, rules_for
 from graphamp.policy.config import AmpConfig, check_entry_arguments, check_master_weights
 from graphamp.torch_private import (
-    BackendCompilerFailed, call_module_with_hooks, composable_apis_on, dispatch_mode_makes_dynamo_run_eagerly,
+    BackendCompilerFailed, call_module_with_hooks, composable_apis_on, dispatch_mode_makes_dynamo_run_eagerly, exporting_elsewhere_for_graphamp,
     global_module_hooks, module_buffers, recompile_limit,
 )
 
@@ -254,7 +254,8 @@ class _AmpCall:
     @torch.compiler.disable
     def __call__(self, *args, **kwargs):
         state = self.state
-        if torch.compiler.is_exporting():  # torch.export (export_program) traces the model's own FP32 code
+        if torch.compiler.is_exporting() and not exporting_elsewhere_for_graphamp():
+            # torch.export (export_program) traces the model's own FP32 code
             return call_module_with_hooks(state.model, *args, **kwargs)
         refuse_outer_autocast(
             itertools.chain(args, kwargs.values()), f"{type(state.model).__name__}, rewritten by graphamp, was called"
