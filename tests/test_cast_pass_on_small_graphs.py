@@ -116,7 +116,7 @@ def test_make_fx_keeps_composite_ops_whole_with_a_meta_val_on_every_node():
 
 def test_white_op_runs_low_on_its_inputs_cast_down():
     x, w, b = torch.randn(4, 8), torch.randn(6, 8), torch.randn(6)
-    graph_module, report = rewritten(lambda x, w, b: F.linear(x, w, b), x, w, b)
+    graph_module, _ = rewritten(lambda x, w, b: F.linear(x, w, b), x, w, b)
     (linear,) = nodes_of(graph_module, aten.linear.default)
     assert [n.target for n in linear.args] == [CAST] * 3
     assert [n.args[0] for n in linear.args] == placeholders(graph_module)
