@@ -101,7 +101,7 @@ class _Rules:
             return None
         lists = self.config.lists
         entry = lists.classify_packet(name)
-        decision, source = (entry.color, entry.source) if entry is not None else (Decision.UNLISTED, "")
+        decision, source = (Decision(entry.color), entry.source) if entry is not None else (Decision.UNLISTED, "")
         packet = _aten_packet(name)
         dtype_argument = decision == BLACK and packet is not None and any(
             argument.name == "dtype" for schema in _schemas(packet) for argument in schema.arguments
@@ -159,8 +159,10 @@ class EagerPolicy(TorchFunctionMode):
         self.level = rules.config.level
         self.enabled = enabled
         self._model = model_facts or ModelFacts()
-        self._weight_casts: dict[int, tuple] = {}  # as torch.autocast caches a weight's cast for its context
+        # (id, dtype) -> (weight, its version, its cast): as torch.autocast caches a weight's cast for its context
+        self._weight_casts: dict[tuple, tuple] = {}
         self._to_low = self._caster(self.low, self._model.kept_fp32)
+        self._low_or_float64 = frozenset({self.low, torch.float64})
         self._autocast_nesting = 0
 
     def __enter__(self):
@@ -201,10 +203,10 @@ class EagerPolicy(TorchFunctionMode):
         decision = rule.decision
         if self._model.black_modules and self._model.black_module_running() is not None:
             decision = BLACK
-        elif decision == WHITE and not kwargs and all(type(a) is not list and type(a) is not tuple for a in args):
+        elif decision is WHITE and not kwargs and not any(type(a) is list or type(a) is tuple for a in args):
             # the hot path (a GEMM or convolution on positional tensors): each float32 input cast down, nothing else
             to_low = self._to_low
-            return func(*(to_low(a) if isinstance(a, torch.Tensor) else a for a in args))
+            return func(*[to_low(a) if isinstance(a, torch.Tensor) else a for a in args])
         if "dtype" in kwargs and isinstance(kwargs["dtype"], torch.dtype) and kwargs["dtype"].is_floating_point:
             return func(*args, **kwargs)  # softmax(x, dtype=torch.float32): the model chose the dtype
         out = kwargs.get("out")
@@ -226,10 +228,10 @@ class EagerPolicy(TorchFunctionMode):
             data = next(_all_tensors(args, kwargs), None)
             return data is None or data.dtype == torch.float32 or (
                 data.dtype == self.low and runs_low_on(rule.op, data.device, self.low))
-        dtypes = {t.dtype for t in _all_tensors(args, kwargs) if t.dtype.is_floating_point}
-        if decision == WHITE:
-            return dtypes <= {self.low, torch.float64}
-        if decision == BLACK:
+        dtypes = _floating_dtypes(args, kwargs)
+        if decision is WHITE:
+            return dtypes <= self._low_or_float64
+        if decision is BLACK:
             return not dtypes & _HALF
         return self.level == "O1" and len(dtypes) <= 1
 
@@ -259,19 +261,22 @@ class EagerPolicy(TorchFunctionMode):
 
     def _caster(self, target: torch.dtype, kept: set):
         low_target = target in HALF_DTYPES
+        weight_casts = self._weight_casts
+        float32, float64 = torch.float32, torch.float64
 
         def cast(tensor: torch.Tensor) -> torch.Tensor:
             dtype = tensor.dtype
-            if dtype == target or not dtype.is_floating_point or dtype == torch.float64:
+            if dtype is target or dtype is float64 or not dtype.is_floating_point:
                 return tensor
-            if low_target and (dtype != torch.float32 or id(tensor) in kept):
+            if low_target and (dtype is not float32 or id(tensor) in kept):
                 return tensor  # only float32 is cast down, as torch.autocast does; O2's norm parameters stay
-            if tensor.is_leaf and tensor.requires_grad:  # a weight: cast once per context, as torch.autocast
-                cached = self._weight_casts.get(id(tensor))
-                if cached is not None and cached[0] is tensor and cached[1] == (tensor_version(tensor), target):
+            if tensor.requires_grad and tensor.is_leaf:  # a weight: cast once per context, as torch.autocast
+                cached = weight_casts.get((id(tensor), target))
+                version = tensor_version(tensor)
+                if cached is not None and cached[0] is tensor and cached[1] == version:
                     return cached[2]
                 result = tensor.to(target)
-                self._weight_casts[id(tensor)] = (tensor, (tensor_version(tensor), target), result)
+                weight_casts[(id(tensor), target)] = (tensor, version, result)
                 return result
             return tensor.to(target)
 
@@ -341,6 +346,21 @@ def _unchecked(function: types.FunctionType) -> types.FunctionType:
 
 
 # -- inputs -----------------------------------------------------------------------------------------------------
+def _floating_dtypes(args, kwargs) -> set:
+    """The floating dtypes of the call's tensors (one level into lists), in one loop: it runs on every torch call."""
+    dtypes = set()
+    for value in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(value, torch.Tensor):
+            dtype = value.dtype
+            if dtype.is_floating_point:
+                dtypes.add(dtype)
+        elif type(value) is list or type(value) is tuple:
+            for item in value:
+                if isinstance(item, torch.Tensor) and item.dtype.is_floating_point:
+                    dtypes.add(item.dtype)
+    return dtypes
+
+
 def _all_tensors(args, kwargs):
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor):
