@@ -42,7 +42,7 @@ from graphamp.torch_private import (
     global_module_hooks, module_buffers, recompile_limit,
 )
 
-__all__ = ["AmpState", "amp_states", "rewrite", "rewritten_graphs", "rewritten_models"]
+__all__ = ["AmpState", "amp_states", "is_rewritten", "rewrite", "rewritten_graphs", "rewritten_models"]
 
 _models_compiled = itertools.count()
 
@@ -117,6 +117,11 @@ def rewrite(
         `model` itself, converted: keep using it (and its optimizer) as before.
     """
     mode = _accept_deprecated(deprecated, mode)
+    if is_rewritten(model):
+        raise ArgumentError(
+            f"this {type(model).__name__} was already rewritten by graphamp.rewrite(): it runs mixed precision as it "
+            f"is; rewrite a fresh FP32 model to change its lists."
+        )
     if mode is not None and not compile:
         raise ArgumentError(f"mode={mode!r} is inductor's: pass compile=True with it.")
     example_args, example_kwargs, config = check_entry_arguments(
@@ -146,13 +151,12 @@ def rewritten_graphs(model: nn.Module) -> list[BackendGraph]:
     """
     if isinstance(model, AmpBackend):
         return list(model.graphs)
-    state = getattr(model, "_graphamp", None)
-    if not isinstance(state, AmpState):
+    if not is_rewritten(model):
         raise ArgumentError(
             f"rewritten_graphs() takes a model graphamp.rewrite() converted (or a graphamp.backend), got a "
             f"{type(model).__name__} that was not rewritten."
         )
-    return list(state.backend.graphs)
+    return list(model._graphamp.backend.graphs)
 
 
 def rewritten_models(parameters) -> list[nn.Module]:
@@ -161,9 +165,14 @@ def rewritten_models(parameters) -> list[nn.Module]:
     return [m for m in list(_REWRITTEN) if any(id(p) in wanted for p in m.parameters())]
 
 
+def is_rewritten(model) -> bool:
+    """Whether graphamp.rewrite() converted `model` (itself, not a module inside it)."""
+    return isinstance(getattr(model, "_graphamp", None), AmpState)
+
+
 def amp_states(module: nn.Module) -> list[AmpState]:
     """What rewrite() keeps on `module` and on each module inside it that it converted (none: an empty list)."""
-    return [m._graphamp for m in module.modules() if isinstance(getattr(m, "_graphamp", None), AmpState)]
+    return [m._graphamp for m in module.modules() if is_rewritten(m)]
 
 
 class AmpState:

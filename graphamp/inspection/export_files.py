@@ -22,7 +22,7 @@ from torch.fx import GraphModule
 
 from graphamp.errors import ArgumentError, ExportError
 from graphamp.frontends.compile_backend import AmpBackend
-from graphamp.frontends.rewrite import AmpState, rewritten_graphs
+from graphamp.frontends.rewrite import is_rewritten, rewritten_graphs
 from graphamp.inspection.graph_picture import render_svg
 from graphamp.inspection.recording import DtypeRecorder
 from graphamp.inspection.report_page import CastCounts, render_report
@@ -60,7 +60,7 @@ def export(what, out_dir, example_args=None, example_kwargs=None, overwrite: boo
     out = Path(out_dir)
     if isinstance(what, ExportedProgram):
         return _export_program(what, out, example_args, example_kwargs, overwrite, model)
-    if isinstance(what, AmpBackend) or isinstance(getattr(what, "_graphamp", None), AmpState):
+    if isinstance(what, AmpBackend) or is_rewritten(what):
         return _export_graphs(what, out, overwrite)
     raise ArgumentError(
         f"export() takes the ExportedProgram graphamp.export_program() returns, a model graphamp.rewrite() "

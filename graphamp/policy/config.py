@@ -77,11 +77,6 @@ def check_entry_arguments(
     """
     if not isinstance(model, nn.Module):
         raise ArgumentError(f"{entry_point}() takes an nn.Module, got {type(model).__name__}.")
-    if getattr(model, "_graphamp", None) is not None and entry_point == "rewrite":
-        raise ArgumentError(
-            f"this {type(model).__name__} was already rewritten by graphamp.rewrite(): it runs mixed precision as it "
-            f"is; rewrite a fresh FP32 model to change its lists."
-        )
     # peft's PeftModel, by duck type (peft is not imported): the model it wraps gets peft_config, not get_base_model
     if entry_point == "rewrite" and callable(getattr(model, "get_base_model", None)) and hasattr(model, "peft_config"):
         raise ArgumentError(
