@@ -1,8 +1,9 @@
-"""The passes on small graphs made by make_fx, with no dynamo and no model (issue 40): each rule of the cast pass,
+"""The passes on small graphs made by make_fx, with no dynamo and no model: each rule of the cast pass,
 judged by the graph it leaves (the dtypes in meta["val"], the aten._to_copy nodes, what they read) and, where that
 could still be wrong, by running the rewritten graph on real inputs against eager autocast or the FP32 function and
 by the dtypes its kernels ran in. The slow end-to-end tests through both front ends are tests/test_cast_pass.py."""
 
+import logging
 from collections import Counter
 
 import pytest
@@ -488,6 +489,14 @@ def test_run_passes_runs_the_cast_pass_then_each_named_pass_and_times_each(monke
     assert list(timings) == ["pass cast", *(f"pass {name}" for name in ran)]
     assert all(seconds >= 0 for seconds in timings.values())
     assert report.decisions == Counter({"white": 1, "gray": 1})
+
+
+def test_each_pass_is_logged_by_its_name_at_debug(caplog):
+    """A newcomer finds each pass by its name in a log: the "graphamp.passes" logger, at DEBUG."""
+    with caplog.at_level(logging.DEBUG, logger="graphamp.passes"):
+        run_passes(traced(linear_then(torch.relu), *x_and_w()), AmpConfig(BF16))
+    logged = [r.getMessage() for r in caplog.records if r.name == "graphamp.passes"]
+    assert [m.split()[2].rstrip(":") for m in logged] == ["cast", *(name for name, _ in PASSES_AFTER_CASTS)]
 
 
 def attention_over_repeated_heads(q, k, v, mask):

@@ -15,6 +15,7 @@ on its copy (it compares each traced node's value, which the later passes would 
 
 from __future__ import annotations
 
+import logging
 import time
 
 from torch.fx import GraphModule
@@ -25,6 +26,9 @@ from graphamp.passes.grouped_query_attention import attend_grouped_queries
 from graphamp.policy.config import AmpConfig
 
 __all__ = ["PASSES_AFTER_CASTS", "run_passes"]
+
+# `logging.getLogger("graphamp.passes").setLevel(logging.DEBUG)` (or basicConfig at DEBUG) logs each pass by name.
+log = logging.getLogger(__name__)
 
 # (name, pass) after the cast pass: each takes the graph module and edits it in place.
 PASSES_AFTER_CASTS = (("grouped_query_attention", attend_grouped_queries),)
@@ -38,7 +42,7 @@ def run_passes(
 
     Each runs under torch.fx's GraphTransformObserver by its name (subsystem "graphamp"), as inductor's passes do:
     TORCH_COMPILE_DEBUG's graph-transform logs and pass bisection see them, and dynamo_timed counts each as
-    `pass.graphamp.<name>`.
+    `pass.graphamp.<name>`; the "graphamp.passes" logger says each pass's name and time at DEBUG.
 
     Args:
         graph_module: the pre-autograd ATen graph, as traced in FP32.
@@ -56,6 +60,8 @@ def run_passes(
     for name, apply in (("cast", cast), *PASSES_AFTER_CASTS):
         started = time.perf_counter()
         GraphTransformObserver(graph_module, name, subsystem="graphamp").apply_gm_pass(apply)
+        seconds = time.perf_counter() - started
         if timings is not None:
-            timings[f"pass {name}"] = time.perf_counter() - started
+            timings[f"pass {name}"] = seconds
+        log.debug("graphamp pass %s: %.1f ms, %d nodes after it", name, 1e3 * seconds, len(graph_module.graph.nodes))
     return report
