@@ -11,6 +11,7 @@ from torch import nn
 
 import graphamp
 from graphamp.inspection.recording import DtypeRecorder, floating, recording_inside
+from graphamp.passes.marks import mark_of
 from models import deberta_v2, llama, token_batch
 
 BF16_TOLERANCE = 3e-2
@@ -96,7 +97,7 @@ def test_black_modules_match_the_models_own_paths(bf16):
     amp_backend = graphamp.backend(bf16.with_changes(black_modules=["head"]), inductor=False)
     torch.compile(Branchy(), backend=amp_backend)(torch.randn(4, 16))
     linears = {
-        node.meta["graphamp"]["module"]: node.meta["val"].dtype
+        mark_of(node).module: node.meta["val"].dtype
         for graph in amp_backend.graphs for node in graph.graph_module.graph.nodes
         if node.target == torch.ops.aten.linear.default
     }

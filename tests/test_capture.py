@@ -16,6 +16,7 @@ from torch import nn
 
 import graphamp
 from graphamp.passes.cast_pass import INPUT_UPCAST
+from graphamp.passes.marks import mark_of
 from conftest import CompiledCodeRecorder
 from models import (
     CustomOpModel,
@@ -158,7 +159,7 @@ def test_graph_module_is_an_fx_graph_module_with_inserted_casts(converted, front
     graphs = converted("gpt2-sdpa", front_end)[-1]()
 
     for graph_module, report in graphs:
-        casts = [n for n in graph_module.graph.nodes if n.meta.get("graphamp", {}).get("decision") == "inserted-cast"]
+        casts = [n for n in graph_module.graph.nodes if getattr(mark_of(n), "decision", None) == "inserted-cast"]
         assert all(cast.target == torch.ops.aten._to_copy.default for cast in casts)
         graph_module.graph.lint()  # a well-formed fx graph after the pass's edits
         assert len(casts) == report.casts_inserted
@@ -192,7 +193,7 @@ def assert_linear_runs_low(body):
     linears = [n for n in body.graph.nodes if n.op == "call_function" and n.target == torch.ops.aten.linear.default]
     assert linears, body.graph
     for linear in linears:
-        assert linear.meta["graphamp"]["decision"] == "white"
+        assert mark_of(linear).decision == "white"
         for value in linear.all_input_nodes:
             assert value.meta["val"].dtype == torch.bfloat16, (linear, value)
             assert value.target == torch.ops.aten._to_copy.default, (linear, value)
@@ -227,7 +228,7 @@ def test_linear_inside_a_compiled_no_grad_region_runs_in_bfloat16(bf16):
     inside = [n for n in nodes[grad_off:grad_on] if n.target == torch.ops.aten.linear.default]
 
     assert len(inside) == 1
-    assert inside[0].meta["graphamp"]["decision"] == "white"
+    assert mark_of(inside[0]).decision == "white"
     assert {value.meta["val"].dtype for value in inside[0].all_input_nodes} == {torch.bfloat16}
 
 

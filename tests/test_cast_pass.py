@@ -15,6 +15,7 @@ import graphamp
 import models
 from graphamp import AutoMixedPrecisionLists
 from graphamp.inspection.recording import DtypeRecorder, floating
+from graphamp.passes.marks import mark_of
 from conftest import FrontEnd
 from training import loss_of, relative_error
 
@@ -23,7 +24,7 @@ CAST = torch.ops.aten._to_copy.default
 
 
 def inserted_casts(graph_module):
-    return [n for n in graph_module.graph.nodes if n.meta.get("graphamp", {}).get("decision") == "inserted-cast"]
+    return [n for n in graph_module.graph.nodes if getattr(mark_of(n), "decision", None) == "inserted-cast"]
 
 
 def nodes_of(graph_module, target):
@@ -232,7 +233,7 @@ def test_casts_the_model_writes_are_kept(rewritten):
             return self.fc(x).float() * 2 + self.fc(x).to(torch.float32)
 
     graph_module, _ = rewritten(WritesCasts(), (torch.randn(2, 8),), amp_lists=BF16)
-    decisions = Counter(n.meta.get("graphamp", {}).get("decision") for n in graph_module.graph.nodes)
+    decisions = Counter(getattr(mark_of(n), "decision", None) for n in graph_module.graph.nodes)
     assert decisions["explicit-cast"] == 2
     assert nodes_of(graph_module, torch.ops.aten.to.dtype)
 
@@ -241,7 +242,7 @@ def test_explicit_dtype_argument_is_kept(rewritten):
     model = LinearThen(lambda h: torch.softmax(h, -1, dtype=torch.float32))
     graph_module, _ = rewritten(model, (torch.randn(2, 8),), amp_lists=BF16)
     (softmax,) = nodes_of(graph_module, torch.ops.aten.softmax.int)
-    assert softmax.meta["graphamp"]["decision"] == "explicit-cast"
+    assert mark_of(softmax).decision == "explicit-cast"
     assert softmax.args[0].meta["val"].dtype == torch.bfloat16  # not cast up by graphamp: the op converts
     assert softmax.args[2] == torch.float32
 
@@ -477,9 +478,9 @@ def floating_decisions(graph_module) -> Counter:
     for module in graph_module.modules():
         if isinstance(module, torch.fx.GraphModule):
             for node in module.graph.nodes:
-                mark, value = node.meta.get("graphamp"), node.meta.get("val")
+                mark, value = mark_of(node), node.meta.get("val")
                 if mark and isinstance(value, torch.Tensor) and value.is_floating_point():
-                    decided[str(node.target), str(mark["decision"]), mark["source"], value.dtype] += 1
+                    decided[str(node.target), str(mark.decision), mark.source, value.dtype] += 1
     return decided
 
 
@@ -537,8 +538,7 @@ def test_black_modules_keep_every_op_of_the_module_fp32(rewritten):
     first, second = rec.calls_of("addmm")[:2]
     assert floating(first.in_dtypes) == {torch.bfloat16}
     assert floating(second.in_dtypes) == {torch.float32}
-    sources = {n.meta["graphamp"]["source"] for n in amp.graph_module.graph.nodes
-               if n.meta.get("graphamp", {}).get("module") == "2"}
+    sources = {mark_of(n).source for n in amp.graph_module.graph.nodes if getattr(mark_of(n), "module", None) == "2"}
     assert "custom_black_modules: 2" in sources
 
 
@@ -546,13 +546,13 @@ def test_black_module_glob_pattern_matches_every_layer(rewritten):
     lists = AutoMixedPrecisionLists(dtype="bfloat16", custom_black_modules=["bert.encoder.layer.*.attention"])
     graph_module, _ = rewritten(models.bert(), (), {"input_ids": models.token_batch()}, amp_lists=lists)
     linears = [n for n in graph_module.graph.nodes if n.target == torch.ops.aten.linear.default]
-    in_attention = [n for n in linears if ".attention" in n.meta["graphamp"]["module"]]
+    in_attention = [n for n in linears if ".attention" in mark_of(n).module]
     assert len(in_attention) == 2 * 4  # q, k, v, output dense in each of 2 layers
-    assert all(n.meta["graphamp"]["decision"] == "black" and n.meta["val"].dtype == torch.float32 for n in in_attention)
-    assert {n.meta["graphamp"]["module"] for n in in_attention} >= {
+    assert all(mark_of(n).decision == "black" and n.meta["val"].dtype == torch.float32 for n in in_attention)
+    assert {mark_of(n).module for n in in_attention} >= {
         "bert.encoder.layer.0.attention.self.query", "bert.encoder.layer.1.attention.output.dense"
     }  # the model's own named_modules() paths, on both front ends
-    assert all(n.meta["graphamp"]["decision"] == "white" for n in linears if n not in in_attention)
+    assert all(mark_of(n).decision == "white" for n in linears if n not in in_attention)
 
 
 def test_batch_norm_runs_low_with_fp32_parameters_and_statistics(rewritten):

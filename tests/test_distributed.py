@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import graphamp
+from graphamp.passes.marks import mark_of
 from ranks import results_of, results_of_ranks, run_scenarios
 from models import digits
 
@@ -118,7 +119,7 @@ def train_on_digits(rank, model):
         "graph_runs_for_the_new_size": sum(graph.runs for graph in graphamp.rewritten_graphs(amp_model))
         - runs_before_the_new_size,
         "linear_dtypes": {
-            node.meta["graphamp"]["module"]: node.meta["val"].dtype
+            mark_of(node).module: node.meta["val"].dtype
             for graph in graphamp.rewritten_graphs(amp_model) for node in graph.graph_module.graph.nodes
             if getattr(node.target, "_opname", None) == "linear"
         },

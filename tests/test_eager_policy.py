@@ -21,6 +21,7 @@ import models
 from models import Broken
 from conftest import CompiledCodeRecorder, FrontEnd
 from graphamp.inspection.recording import DtypeRecorder
+from graphamp.passes.marks import mark_of
 
 # The kernels the lists decide and a dtype shows: GEMMs, convolutions, attention, recurrent cells (white); the loss
 # and log-softmax (black).
@@ -303,7 +304,7 @@ def test_model_compile_after_rewrite_keeps_graphamps_lists(bf16):
     model(torch.randn(4, 16))
     graph = graphamp.rewritten_graphs(model)[-1]
     assert graph.report.dtype == torch.bfloat16 and "inductor" in graph.timings
-    sources = {n.meta["graphamp"]["source"] for n in graph.graph_module.graph.nodes if "graphamp" in n.meta}
+    sources = {mark_of(n).source for n in graph.graph_module.graph.nodes if mark_of(n) is not None}
     assert "custom_black_list" in sources
 
 

@@ -20,6 +20,7 @@ import graphamp
 from graphamp.inspection.export_files import FILES
 from graphamp.inspection.graph_picture import find_dot
 from graphamp.inspection.recording import DtypeRecorder, floating
+from graphamp.passes.marks import mark_of
 from models import CustomOpModel, RegionsModel, SmallResNet, gpt2, token_batch
 from training import relative_error
 
@@ -376,7 +377,7 @@ def mlp():
 def test_saved_and_loaded_program_keeps_the_decisions_and_runs_close_to_fp32(tmp_path):
     model, x = mlp()
     program = graphamp.export_program(model, (x,), amp_lists=BF16)
-    decisions = {n.name: n.meta["custom"]["graphamp"] for n in program.graph.nodes if "graphamp" in n.meta}
+    decisions = {n.name: n.meta["custom"]["graphamp"] for n in program.graph.nodes if mark_of(n) is not None}
     torch.export.save(program, tmp_path / "mlp.pt2")
 
     loaded = torch.export.load(tmp_path / "mlp.pt2")

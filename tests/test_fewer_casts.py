@@ -12,6 +12,7 @@ import graphamp
 from conftest import FrontEnd
 from encoder_models import ENCODERS
 from graphamp.inspection.recording import DtypeRecorder, floating
+from graphamp.passes.marks import mark_of
 from graphamp.policy.kernel_support import rounded_once, runs_low_on
 from training import relative_error
 
@@ -41,7 +42,7 @@ def test_norm_feeding_only_a_gemm_reads_the_low_input_with_fp32_parameters(rewri
     assert norm.in_dtypes == (torch.bfloat16, torch.float32, torch.float32)
     (node,) = [n for n in amp.graph_module.graph.nodes if n.target == torch.ops.aten.layer_norm.default]
     neighbours = [*node.all_input_nodes, *node.users]  # autocast casts the input up and the output back down
-    assert not [n for n in neighbours if n.meta.get("graphamp", {}).get("decision") == "inserted-cast"]
+    assert not [n for n in neighbours if getattr(mark_of(n), "decision", None) == "inserted-cast"]
     assert relative_error(out, expected) < 2e-2
 
 

@@ -9,6 +9,7 @@ from torch import nn
 
 import graphamp
 from graphamp.inspection.recording import floating
+from graphamp.passes.marks import mark_of
 from training import relative_error
 
 
@@ -62,9 +63,9 @@ def test_region_nodes_are_reported_as_the_models_own_choice(rewritten, bf16, see
     x = torch.randn(2, 8, 16)
     graph_module, _ = rewritten(AttentionKeptFP32(DISABLED_FORMS["cpu"]), (x,), amp_lists=bf16)
     body = next(m for name, m in graph_module.named_children() if isinstance(m, torch.fx.GraphModule))
-    decided = [n.meta["graphamp"] for n in body.graph.nodes if "graphamp" in n.meta]
-    assert decided and all(d["decision"] == graphamp.Decision.EXPLICIT_CAST for d in decided)
-    assert all("autocast(enabled=False)" in d["source"] for d in decided if d["source"] != "model")
+    decided = [mark_of(n) for n in body.graph.nodes if mark_of(n) is not None]
+    assert decided and all(d.decision == graphamp.Decision.EXPLICIT_CAST for d in decided)
+    assert all("autocast(enabled=False)" in d.source for d in decided if d.source != "model")
 
 
 class EnabledInsideDisabled(nn.Module):

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 import graphamp
+from graphamp.passes.marks import mark_of
 from models import VOCAB, ResidualBlock
 from ranks import results_of, results_of_ranks, run_scenarios
 
@@ -119,7 +120,7 @@ def linears_by_graph(model) -> list[tuple[int, list[tuple[str, torch.dtype]]]]:
     """For each graph graphamp rewrote: how often it ran, and each linear's module path and dtype."""
     return [
         (graph.runs, [
-            (node.meta["graphamp"]["module"], node.meta["val"].dtype)
+            (mark_of(node).module, node.meta["val"].dtype)
             for node in graph.graph_module.graph.nodes if getattr(node.target, "_opname", None) == "linear"
         ])
         for graph in graphamp.rewritten_graphs(model)

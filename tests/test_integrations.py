@@ -15,6 +15,7 @@ from torch.fx import GraphModule
 import graphamp
 from conftest import CompiledCodeRecorder
 import graphamp.frontends.named_backend as named_backend
+from graphamp.passes.marks import mark_of
 from models import VOCAB, token_batch
 from training import relative_error
 
@@ -408,8 +409,8 @@ def test_peft_lora_trains_with_its_adapters_low_and_autocasts_losses(bf16, use_c
     graphs = graphamp.rewritten_graphs(model.get_base_model())
     assert_matmuls_ran_in(torch.bfloat16, graphs, at_least=7 + 4)  # the layer's and the adapters' A and B
     adapters = {
-        node.meta["graphamp"]["module"] for graph in graphs for node in graph.graph_module.graph.nodes
-        if getattr(node.target, "_opname", None) == "linear" and "lora_" in node.meta["graphamp"]["module"]
+        mark_of(node).module for graph in graphs for node in graph.graph_module.graph.nodes
+        if getattr(node.target, "_opname", None) == "linear" and "lora_" in mark_of(node).module
     }
     assert "model.layers.0.self_attn.q_proj.lora_A.default" in adapters  # the rewritten base model's own paths
 
@@ -422,7 +423,7 @@ def test_peft_black_module_written_against_the_base_models_path_runs_in_float32(
     head = [
         node.meta["val"].dtype for graph in graphamp.rewritten_graphs(model.get_base_model())
         for node in graph.graph_module.graph.nodes
-        if getattr(node.target, "_opname", None) == "linear" and node.meta["graphamp"]["module"].endswith("lm_head")
+        if getattr(node.target, "_opname", None) == "linear" and mark_of(node).module.endswith("lm_head")
     ]
     assert head == [torch.float32]
 
@@ -474,7 +475,7 @@ def test_sft_trainer_trains_with_low_matmuls_and_autocasts_losses(tmp_path, bf16
     graphs = graphamp.rewritten_graphs(model)
     assert_matmuls_ran_in(torch.bfloat16, graphs)  # the decoder layer's seven
     modules = {
-        node.meta.get("graphamp", {}).get("module") for graph in graphs for node in graph.graph_module.graph.nodes
+        getattr(mark_of(node), "module", None) for graph in graphs for node in graph.graph_module.graph.nodes
     }
     assert "lm_head" not in modules
 

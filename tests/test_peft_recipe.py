@@ -8,6 +8,7 @@ import torch
 
 import graphamp
 from graphamp.inspection.recording import floating
+from graphamp.passes.marks import mark_of
 from conftest import CompiledCodeRecorder
 from models import gpt2, token_batch
 
@@ -65,7 +66,7 @@ def test_the_recipe_trains_the_base_and_adapter_matmuls_low(bf16):
     assert matmuls_in(recorder, torch.bfloat16) >= 2 * FORWARD_MATMULS  # forward, and at least as many backward
     adapter_dtypes = {
         node.meta["val"].dtype for graph in graphamp.rewritten_graphs(base) for node in graph.graph_module.graph.nodes
-        if getattr(node.target, "_opname", None) in ("linear", "mm") and "lora_" in node.meta["graphamp"]["module"]
+        if getattr(node.target, "_opname", None) in ("linear", "mm") and "lora_" in mark_of(node).module
     }
     assert adapter_dtypes == {torch.bfloat16}
     assert all(p.grad is not None for name, p in lora.named_parameters() if "lora_" in name)

@@ -12,6 +12,7 @@ import graphamp
 from autocast_table import PROMOTE_GROUPS, entries
 from conftest import FrontEnd
 from graphamp.inspection.recording import floating
+from graphamp.passes.marks import mark_of
 from training import TORCH_BEFORE_2_13
 
 CAST = torch.ops.aten._to_copy.default
@@ -85,7 +86,7 @@ def _computed_dtypes(graph_module) -> list:
     output = graph_module.graph.find_nodes(op="output")[0]
     computed = []
     for value in pytree.tree_leaves(output.args):
-        if value.meta.get("graphamp", {}).get("decision") == "inserted-cast":
+        if getattr(mark_of(value), "decision", None) == "inserted-cast":
             value = value.args[0]
         computed.append(value.meta["val"].dtype)
     return computed

@@ -20,6 +20,7 @@ from torch import nn
 import graphamp
 from conftest import CompiledCodeRecorder
 from graphamp.frontends.rewrite import TORCH_ISOLATES_RECOMPILES
+from graphamp.passes.marks import mark_of
 from encoder_models import ENCODERS
 from models import VOCAB, Broken, bert, deberta_v2, gpt2, llama, token_batch
 
@@ -173,7 +174,7 @@ def test_lstm_and_gru_run_their_matmuls_low(bf16, kind, op):
     model = graphamp.rewrite(Recurrent(kind), (), {"input_ids": ids, "labels": ids}, amp_lists=bf16)
     (graph,) = graphamp.rewritten_graphs(model)
     (rnn,) = graph.graph_module.graph.find_nodes(op="call_function", target=op)
-    assert rnn.meta["graphamp"]["decision"] == "white"
+    assert mark_of(rnn).decision == "white"
     assert rnn.args[0].meta["val"].dtype == torch.bfloat16
     head = graph.graph_module.graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default)
     assert [n.meta["val"].dtype for n in head] == [torch.bfloat16]
@@ -240,7 +241,7 @@ def test_an_outer_autocast_around_a_compiled_model_is_refused_at_compile(bf16):
 
 def linear_dtypes(graphs) -> dict[str, torch.dtype]:
     return {
-        node.meta["graphamp"]["module"]: node.meta["val"].dtype
+        mark_of(node).module: node.meta["val"].dtype
         for graph in graphs for node in graph.graph_module.graph.nodes
         if node.target in (torch.ops.aten.linear.default, torch.ops.aten.addmm.default)
     }

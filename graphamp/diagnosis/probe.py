@@ -27,6 +27,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from graphamp.frontends.export_program import capture_program
 from graphamp.policy.aten_ops import draws_random_numbers, norm_parameter_inputs, written_inputs
 from graphamp.passes.cast_pass import cannot_run_message, insert_casts, module_path, node_dtype
+from graphamp.passes.marks import mark_of
 from graphamp.policy.dtypes import dtype_name
 from graphamp.errors import RewriteError
 from graphamp.policy.lists import BLACK, GRAY, WHITE, AutoMixedPrecisionLists, Decision, op_lookup_keys
@@ -287,13 +288,15 @@ def _reruns(node: Node) -> bool:
     """Whether the op can run again on other inputs: not random (dropout), not in place, not a sub-graph."""
     if not isinstance(node.target, OpOverload) or draws_random_numbers(node):
         return False
-    if node.meta.get("graphamp", {}).get("decision") in (Decision.EXPLICIT_CAST, Decision.INSERTED_CAST):
+    mark = mark_of(node)
+    if mark is not None and mark.decision in (Decision.EXPLICIT_CAST, Decision.INSERTED_CAST):
         return False
     return not written_inputs(node)
 
 
 def _record(node: Node, value, amp_lists: AutoMixedPrecisionLists, index: int) -> NodeNumerics:
-    mark = node.meta.get("graphamp", {})
+    mark = mark_of(node)
+    decision, source, module = (mark.decision, mark.source, mark.module) if mark else ("", "", module_path(node))
     if isinstance(node.target, OpOverload):
         op, packet = op_lookup_keys(node.target)
         entry = amp_lists.classify(node.target)
@@ -303,8 +306,7 @@ def _record(node: Node, value, amp_lists: AutoMixedPrecisionLists, index: int) -
     floats = floating_leaves(value) or [n.meta["val"] for n in node.all_input_nodes if node_dtype(n) is not None
                                         and node_dtype(n).is_floating_point]
     return NodeNumerics(
-        index=index, name=node.name, op=op, entry=entry_name, module=mark.get("module", module_path(node)),
-        decision=mark.get("decision", ""), source=mark.get("source", ""),
+        index=index, name=node.name, op=op, entry=entry_name, module=module, decision=decision, source=source,
         runs_in=dtype_name(floats[0].dtype) if floats else None, inputs=_producers(node),
     )
 

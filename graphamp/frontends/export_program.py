@@ -25,6 +25,7 @@ from graphamp.frontends.compile_backend import refuse_outer_autocast
 from graphamp.frontends.dynamic_dims import automatic_dynamic_dims, sizes_from_one
 from graphamp.frontends.type_promotion import PromoteMixedInputs
 from graphamp.passes import run_passes
+from graphamp.passes.marks import mark_of
 from graphamp.policy.config import check_entry_arguments
 from graphamp.policy.list_files import default_lists_dir
 from graphamp.policy.lists import read_promote_ops
@@ -72,9 +73,8 @@ def rewrite_program(program: ExportedProgram, config) -> ExportedProgram:
         if isinstance(spec.arg, TensorArgument) and renamed.get(spec.arg.name, spec.arg.name) != spec.arg.name:
             spec.arg = TensorArgument(name=renamed[spec.arg.name])
     for node in graph_module.graph.nodes:  # the decisions, where torch.export.save keeps them
-        mark = node.meta.get("graphamp")
-        if mark is not None:
-            node.meta.setdefault("custom", {})["graphamp"] = {key: str(value) for key, value in mark.items()}
+        if (mark := mark_of(node)) is not None:
+            node.meta.setdefault("custom", {})["graphamp"] = mark.to_json()
     graph_module.meta["graphamp_report"] = report
     return program
 

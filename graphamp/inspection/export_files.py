@@ -27,6 +27,7 @@ from graphamp.inspection.graph_picture import render_svg
 from graphamp.inspection.recording import DtypeRecorder
 from graphamp.inspection.report_page import CastCounts, render_report
 from graphamp.passes.cast_pass import CAST_OP, node_dtype
+from graphamp.passes.marks import OpMark, mark_of
 from graphamp.policy.dtypes import dtype_name
 from graphamp.policy.lists import Decision, op_lookup_keys
 from graphamp.torch_private import HigherOrderOperator, OpOverload, pytree
@@ -190,7 +191,7 @@ def node_records(graph_module: GraphModule, path: tuple = ()) -> list[dict]:
     prefix = "".join(f"{part}." for part in path)
     records = []
     for node in graph_module.graph.nodes:
-        mark = node.meta.get("graphamp")
+        mark = mark_of(node)
         # torch.export shares one meta dict between a no_grad region's last op and the getitem reading it out.
         if mark is None or not isinstance(node.target, (OpOverload, HigherOrderOperator)):
             continue
@@ -198,11 +199,11 @@ def node_records(graph_module: GraphModule, path: tuple = ()) -> list[dict]:
         records.append({
             "name": prefix + node.name,
             "op": op_lookup_keys(node.target)[0] if isinstance(node.target, OpOverload) else node.target.__name__,
-            "decision": mark["decision"],
-            "source": mark["source"],
+            "decision": mark.decision,
+            "source": mark.source,
             "in_dtypes": [dtype_name(d) for d in map(node_dtype, node.all_input_nodes) if d is not None],
             "out_dtype": dtype_name(outputs[0].dtype) if outputs else None,
-            "module": mark["module"],
+            "module": mark.module,
         })
     return records
 
@@ -224,17 +225,17 @@ def marked_code(graphs: list[tuple[tuple, GraphModule]]) -> str:
             classes = classes[: len(match[1]) // 4] + [match[2]]
         elif match := _ASSIGNMENT.match(line):
             node = nodes.get(tuple(classes[1:]), {}).get(match[1])
-            mark = node.meta.get("graphamp") if node is not None else None
+            mark = mark_of(node) if node is not None else None
             if mark is not None:
                 line += f"  # graphamp: {_describe(mark)}"
         lines.append(line)
     return "\n".join(lines) + "\n"
 
 
-def _describe(mark: dict) -> str:
-    if mark["decision"] == Decision.INSERTED_CAST:
-        return f"inserted cast to {mark['source']}"
-    return f"{mark['decision']} ({mark['source']})" if mark["source"] else mark["decision"]
+def _describe(mark: OpMark) -> str:
+    if mark.decision == Decision.INSERTED_CAST:
+        return f"inserted cast to {mark.source}"
+    return f"{mark.decision} ({mark.source})" if mark.source else str(mark.decision)
 
 
 def _title(summary: dict) -> str:

@@ -1,8 +1,8 @@
 """The passes both front ends run on a pre-autograd ATen graph, in order, from one visible list.
 
 Every pass edits the graph in place and keeps these true (inductor's fx_passes keep the like):
-- `node.meta["val"]` (shapes and dtypes after the casts) and `node.meta["graphamp"]` (each op's decision and its
-  source) of every node;
+- `node.meta["val"]` (shapes and dtypes after the casts) of every node, and `node.meta["graphamp"]`, each op's
+  OpMark (decision, source, module; read with marks.mark_of);
 - the placeholders, and the number and order of the outputs; each output's traced dtype, except where the front
   end asks for low outputs (insert_casts' outputs_stay_low: it presents them as float32 itself);
 - aliasing: no pass makes inputs or outputs alias that did not in the trace, and outputs that aliased each other or

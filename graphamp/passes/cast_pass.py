@@ -1,11 +1,12 @@
 """The cast pass: classify each node of a captured graph by the lists and insert the casts that follow.
 
-One walk over `graph.nodes` in order (like torch.ao.quantization's prepare/convert): every ATen op node is
-classified white (runs low), black (runs FP32), gray (follows its inputs: low when all its floating inputs
-are low, else FP32 — Paddle's rule), unlisted (acts gray, reported) or explicit-cast (the model chose the
-dtype itself: left alone). Casts are `aten._to_copy` nodes shared per (value, dtype), inserted before the
-first node that needs them, and folded: a cast of one of our own casts goes back to the original value, and
-a reshape's cast is the reshape of its input's cast.
+Two walks over `graph.nodes`, as Paddle's `rewrite_program`. The first marks every ATen op (marks.py) by the lists,
+black module patterns, the model's casts and FP32 regions, never by dtypes: white (runs low), black (runs FP32),
+gray (follows its inputs: low when all its floating inputs are low, else FP32 — Paddle's rule), unlisted (acts
+gray, reported) or explicit-cast (the model chose the dtype itself: left alone). The second applies the marks to
+the dtypes the inputs have by then: casts are `aten._to_copy` nodes shared per (value, dtype), inserted before the
+first node that needs them, and folded: a cast of one of our own casts goes back to the original value, and a
+reshape's cast is the reshape of its input's cast (a node the second walk makes is marked as in the first).
 `node.meta["val"]` is recomputed on fake tensors for every node whose inputs changed dtype.
 """
 
@@ -23,6 +24,7 @@ from torch.fx import GraphModule, Node
 from torch.fx.node import map_arg
 
 from graphamp.errors import RewriteError
+from graphamp.passes.marks import MARK, OpMark, mark_of
 from graphamp.policy.aten_ops import (
     FP32_ACCUMULATING_OPS, MODEL_CAST_OPS, NORM_OPS, RESHAPE_OPS, SAME_DTYPE_OPS, TRACE_ASSERTS, VIEW_OPS,
     argument_value, has_explicit_float_dtype, norm_parameter_inputs, set_argument, viewed_input, written_inputs,
@@ -153,11 +155,14 @@ class _CastPass:
             self.cast_source[upcast] = upcast.args[0]
             self.casts[(upcast.args[0], torch.float32)] = upcast
             self.traced_dtype[upcast.args[0]] = torch.float32  # the FP32 model's value
-            upcast.meta["graphamp"] = {"decision": Decision.INSERTED_CAST, "source": "float32 of a low input",
-                                       "module": ""}
+            upcast.meta[MARK] = OpMark(Decision.INSERTED_CAST, "float32 of a low input", "")
         self.fake_mode = detect_fake_mode([n.meta.get("val") for n in self.graph.nodes]) or nullcontext()
 
     def run(self) -> None:
+        for node in self.graph.nodes:  # first decide every op: no decision depends on a dtype the casts change
+            decided = node.op == "call_function" and node not in self.input_upcasts and node.target not in TRACE_ASSERTS
+            if decided and isinstance(node.target, (OpOverload, HigherOrderOperator)):
+                self._mark(node, self._decide(node))
         for node in list(self.graph.nodes):
             if node.op == "output":
                 self._restore_traced_dtypes(node)
@@ -184,21 +189,27 @@ class _CastPass:
         self.graph_module.recompile()
 
     # -- deciding ------------------------------------------------------------------------------------------
-    def _decide(self, node: Node) -> tuple[str, str]:
-        """(decision, source) for an op node."""
-        op = node.target
+    def _decide(self, node: Node) -> OpMark:
+        """An op node's mark: from its target, its own arguments, its module and the region it is in."""
+        op, module = node.target, module_path(node)
+        if isinstance(op, HigherOrderOperator):  # its body is decided node by node, FP32 if autocast is off there
+            fp32_region = _autocast_enabled(node) is False or (self.fp32_region and _autocast_enabled(node) is None)
+            return OpMark(Decision.HIGHER_ORDER, MODEL_FP32_REGION if fp32_region else "", module)
         if op in MODEL_CAST_OPS or has_explicit_float_dtype(node):
-            return Decision.EXPLICIT_CAST, "model"
+            return OpMark(Decision.EXPLICIT_CAST, "model", module)
         if self.fp32_region:
-            return Decision.EXPLICIT_CAST, MODEL_FP32_REGION
-        pattern = self.amp_lists.black_module_for(module_path(node))
+            return OpMark(Decision.EXPLICIT_CAST, MODEL_FP32_REGION, module)
+        pattern = self.amp_lists.black_module_for(module)
         if pattern is not None:
-            return BLACK, pattern.source
+            return OpMark(BLACK, pattern.source, module)
         entry = self.amp_lists.classify(op)
-        if entry is None:
-            self.report.unlisted_ops[op_lookup_keys(op)[1]] += 1
-            return Decision.UNLISTED, ""
-        return entry.color, entry.source
+        return OpMark(Decision.UNLISTED, "", module) if entry is None else OpMark(entry.color, entry.source, module)
+
+    def _mark(self, node: Node, mark: OpMark) -> None:
+        node.meta[MARK] = mark
+        self.report.decisions[mark.decision] += 1
+        if mark.decision == Decision.UNLISTED:
+            self.report.unlisted_ops[op_lookup_keys(node.target)[1]] += 1
 
     def _target_dtype(self, decision: str, floats: list[Node]) -> torch.dtype | None:
         """The dtype the op's floating inputs are cast to (policy/cast_rule.py), or None to leave them."""
@@ -207,9 +218,7 @@ class _CastPass:
 
     # -- visiting ------------------------------------------------------------------------------------------
     def _visit_op(self, node: Node) -> None:
-        decision, source = self._decide(node)
-        self.report.decisions[decision] += 1
-        node.meta["graphamp"] = {"decision": decision, "source": source, "module": module_path(node)}
+        decision = mark_of(node).decision
         mutated = written_inputs(node)
         left_alone = mutated | norm_parameter_inputs(node)
         floats = [n for n in node.all_input_nodes if _is_castable(n) and n not in left_alone]
@@ -220,8 +229,11 @@ class _CastPass:
             target = None  # add(bf16, fp32) already computes in FP32 inside the kernel: a cast would only cost
         if target == self.low and not self._kernel_takes(node, floats):
             target = torch.float32  # this device's norm kernel wants X in its parameters' dtype
-        if target == torch.float32 and decision == BLACK and self._fp32_inside_the_kernel(node, floats):
+        if target == torch.float32 and decision == BLACK and (inside := self._fp32_inside_the_kernel(node, floats)):
             target = None
+            if inside == "dtype=float32":
+                set_argument(node, next(a for a in op_schema(node.target).arguments if a.name == "dtype"), torch.float32)
+                node.meta["val"] = self._run_on_fake_values(node)  # float32 now, also where no input changed dtype
         if target is not None:
             self._cast_inputs(node, [n for n in floats if self._needs_cast(n, target)], target)
         into = next((n for n in mutated if _is_castable(n)), None)
@@ -235,28 +247,25 @@ class _CastPass:
         if node_dtype(node) in HALF_DTYPES and node_dtype(node) != self.traced_dtype.get(node):
             _clamp_scalars_to_range(node, node_dtype(node))
 
-    def _fp32_inside_the_kernel(self, node: Node, floats: list[Node]) -> bool:
-        """Whether a black op reads its low inputs as they are and computes in FP32 inside, with no cast kernel:
-        - a normalization (kept black by the user) or a softmax, sum or mean whose output feeds only white ops
-          (GEMMs): the kernel accumulates in FP32 and its low output is what the next GEMM would read after a
-          cast of the FP32 result (autocast casts X up and the result back down);
-        - an op with a `dtype` argument (sum, mean, softmax, cumsum): it is set to float32, which casts inside.
+    def _fp32_inside_the_kernel(self, node: Node, floats: list[Node]) -> str | None:
+        """How a black op can read its low inputs as they are and compute in FP32 inside, with no cast kernel:
+        - "low as is": a normalization (kept black by the user) or a softmax, sum or mean whose output feeds only
+          white ops (GEMMs): the kernel accumulates in FP32 and its low output is what the next GEMM would read
+          after a cast of the FP32 result (autocast casts X up and the result back down);
+        - "dtype=float32": an op with an unset `dtype` argument (sum, mean, softmax, cumsum), which casts inside.
+        None where it cannot: its inputs are cast.
         """
         low = [n for n in floats if node_dtype(n) in HALF_DTYPES]
         if not low:
-            return False
+            return None
         name = op_lookup_keys(node.target)[1]
         if name in NORM_OPS or name in FP32_ACCUMULATING_OPS:
             if len(low) == len(floats) and self._kernel_takes(node, floats) and self._feeds_only_white(node):
-                return True
+                return "low as is"
             if name in NORM_OPS:
-                return False
+                return None
         dtype_argument = next((a for a in op_schema(node.target).arguments if a.name == "dtype"), None)
-        if dtype_argument is None or argument_value(node, dtype_argument) is not None:
-            return False
-        set_argument(node, dtype_argument, torch.float32)
-        node.meta["val"] = self._run_on_fake_values(node)  # float32 now, also where no input changed its dtype
-        return True
+        return "dtype=float32" if dtype_argument is not None and argument_value(node, dtype_argument) is None else None
 
     def _kernel_takes(self, node: Node, floats: list[Node]) -> bool:
         """False where this device's kernel cannot run the op low as the gray rule wants (kernel_support.py): a
@@ -296,10 +305,7 @@ class _CastPass:
     def _visit_higher_order(self, node: Node) -> None:
         """torch.cond, no_grad regions and the like: operands cross in their traced dtype, bodies are rewritten
         (left as traced inside an autocast-disabled region)."""
-        self.report.decisions[Decision.HIGHER_ORDER] += 1
-        fp32_region = _autocast_enabled(node) is False or (self.fp32_region and _autocast_enabled(node) is None)
-        source = MODEL_FP32_REGION if fp32_region else ""
-        node.meta["graphamp"] = {"decision": Decision.HIGHER_ORDER, "source": source, "module": module_path(node)}
+        fp32_region = mark_of(node).source == MODEL_FP32_REGION
         replace = {}
         for value in node.all_input_nodes:
             if value.op == "get_attr":
@@ -395,11 +401,8 @@ class _CastPass:
             with self.fake_mode:
                 cast.meta["val"] = root.meta["val"].to(dtype)
             cast.meta["nn_module_stack"] = before.meta.get("nn_module_stack", {})
-            cast.meta["graphamp"] = {
-                "decision": Decision.INSERTED_CAST,
-                "source": f"{dtype_name(dtype)} for {before.name}",
-                "module": module_path(before),
-            }
+            source = f"{dtype_name(dtype)} for {before.name}"
+            cast.meta[MARK] = OpMark(Decision.INSERTED_CAST, source, module_path(before))
             self.casts[(root, dtype)] = cast
             self.cast_source[cast] = root
             self.report.casts_inserted += 1
@@ -421,9 +424,7 @@ class _CastPass:
         made.meta["val"] = self._run_on_fake_values(made)
         made.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
         if isinstance(node.target, OpOverload):
-            decision, origin = self._decide(made)
-            made.meta["graphamp"] = {"decision": decision, "source": origin, "module": module_path(node)}
-            self.report.decisions[decision] += 1
+            self._mark(made, self._decide(made))
         return made
 
     def _forget_casts_of(self, value: Node) -> None:
@@ -485,13 +486,13 @@ def _fake_tensor_errors_unlogged():
 
 def cannot_run_message(node: Node, error: Exception) -> str:
     """Which op failed on which dtypes, where, what decided them, and the fix (for the rewrite and the doctor)."""
-    mark = node.meta.get("graphamp", {})
+    mark = mark_of(node)
     dtypes = ", ".join(sorted({dtype_name(node_dtype(n)) for n in node.all_input_nodes if _is_castable(n)}))
     entry = op_lookup_keys(node.target)[1] if isinstance(node.target, OpOverload) else str(node.target)
-    decided = f" ({mark['decision']}, {mark['source']})" if mark.get("source") else ""
+    decided = f" ({mark.decision}, {mark.source})" if mark and mark.source else ""
     first_line = (str(error).strip().splitlines() or [""])[0]
     return (
-        f"{node.name} = {node.target} in {mark.get('module') or '(top level)'}{decided} cannot run on {dtypes} "
+        f"{node.name} = {node.target} in {mark and mark.module or '(top level)'}{decided} cannot run on {dtypes} "
         f"inputs: {first_line}. Fix: keep it FP32 with custom_black_list=['{entry}'] (or take it off white.txt)."
     )
 
