@@ -263,11 +263,6 @@ def test_a_cast_of_an_inserted_cast_folds_back_to_its_source():
     assert all(cast.args[0].target is not CAST for cast in casts_of(graph_module))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "_visit_op casts src down for the O2 rule, then casts that cast back to src for the in-place op's FP32 buffer "
-    "(the fold returns src itself): the down-cast is left in the graph with no reader, runs as a kernel in the fx "
-    "code, and counts in report.casts_inserted."
-))
 def test_no_inserted_cast_is_left_without_a_reader():
     def copy_into(buffer, index, src):
         return buffer.index_copy_(0, index, src)

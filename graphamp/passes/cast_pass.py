@@ -241,6 +241,9 @@ class _CastPass:
                   and node_dtype(n) != node_dtype(into)]
         if unlike and self._result_as_it_is(node) is None:  # the model's `.to(cache.dtype)` was a no-op in the trace
             self._cast_inputs(node, unlike, node_dtype(into))
+            for value in unlike:  # a cast made above for the rule that this one folded back: nothing reads it
+                if value.target is CAST_OP and value in self.cast_source and not value.users:
+                    self._erase_cast(value)
         for value in mutated:  # an in-place op makes earlier casts of its target stale
             self._forget_casts_of(value)
         self._refresh_meta(node)
@@ -426,6 +429,13 @@ class _CastPass:
         if isinstance(node.target, OpOverload):
             self._mark(made, self._decide(made))
         return made
+
+    def _erase_cast(self, cast: Node) -> None:
+        key = (self.cast_source.pop(cast), node_dtype(cast))
+        if self.casts.get(key) is cast:
+            del self.casts[key]
+        self.graph.erase_node(cast)
+        self.report.casts_inserted -= 1
 
     def _forget_casts_of(self, value: Node) -> None:
         root = self.cast_source.get(value, value)
