@@ -188,7 +188,11 @@ class EagerPolicy(TorchFunctionMode):
         rule = self._by_function.get(func, _UNKNOWN)
         if rule is _UNKNOWN:
             rule = self._rules.rule_for(func)
-        if rule is None or _lifted.depth or tracing_on_fake_tensors():
+        if rule is None or _lifted.depth:
+            return func(*args, **kwargs)
+        if rule is not _FOLLOW and not self._model.black_modules and self._nothing_to_cast(rule, args, kwargs):
+            return func(*args, **kwargs)  # the common case, decided from the input dtypes alone
+        if tracing_on_fake_tensors():
             return func(*args, **kwargs)
         if rule is _FOLLOW:
             return self._follow(func, args, kwargs)
@@ -196,8 +200,6 @@ class EagerPolicy(TorchFunctionMode):
             # buffer.index_copy_(0, i, source): the source in the buffer's dtype, as in a graph (cast_pass.py)
             args, kwargs = _map_inputs(args, kwargs, rule, self._caster(args[0].dtype, ()))
             return func(*args, **kwargs)
-        if not self._model.black_modules and self._nothing_to_cast(rule, args, kwargs):
-            return func(*args, **kwargs)  # the common case, decided from the input dtypes alone
         if _autocast_nesting() != self._autocast_nesting and self._in_autocast_region(args):
             return func(*args, **kwargs)  # the model's torch.autocast(enabled=False) region: as written
         decision = rule.decision
