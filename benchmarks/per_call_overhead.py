@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/per_call_overhead.py                      # tiny Llama, 4 and 16 layers
     PYTHONPATH=. python benchmarks/per_call_overhead.py --layers 4 --profile # and cProfile's top functions
+    PYTHONPATH=. python benchmarks/per_call_overhead.py --per-op             # graphamp.auto_cast's cost per torch call
 
 A tiny Llama (width 64, float32 weights, bfloat16 compute, batch 2 x 32 tokens) is so small that a step's time is
 the Python around its kernels: the call of the model graphamp.rewrite converted (torch.compile's guards, dynamo's
@@ -96,6 +97,35 @@ def profile(layers: int, steps: int) -> None:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
 
 
+def per_op_cost(rounds: int, calls: int = 1000) -> None:
+    """graphamp.auto_cast's cost of one torch call against torch.autocast's (C++) and no AMP: a white op that casts
+    its float32 input and cached weights, and gray ops on bfloat16 inputs (left alone). Microseconds per call, the
+    best of `rounds` interleaved rounds."""
+    import contextlib
+    import torch.nn.functional as F
+
+    lists = graphamp.AutoMixedPrecisionLists(dtype="bfloat16")
+    x, low = torch.randn(4, 16), torch.randn(4, 16, dtype=torch.bfloat16)
+    w, b = torch.randn(16, 16, requires_grad=True), torch.randn(16, requires_grad=True)
+    calls_of = {"linear (white, casts)": lambda: F.linear(x, w, b), "add (gray)": lambda: low + 1,
+                "relu (gray)": lambda: torch.relu(low), "mul (gray)": lambda: low * low}
+    contexts = {"no AMP": contextlib.nullcontext, "torch.autocast": lambda: torch.autocast("cpu", torch.bfloat16),
+                "graphamp.auto_cast": lambda: graphamp.auto_cast(lists)}
+    print("| torch call | " + " | ".join(f"{name} µs" for name in contexts) + " | auto_cast − autocast µs |")
+    print("|---|" + "---:|" * (len(contexts) + 1))
+    for name, call in calls_of.items():
+        best = dict.fromkeys(contexts, float("inf"))
+        for _ in range(rounds):
+            for mode, context in contexts.items():
+                with context():
+                    started = time.perf_counter()
+                    for _ in range(calls):
+                        call()
+                    best[mode] = min(best[mode], (time.perf_counter() - started) / calls * 1e6)
+        print(f"| {name} | " + " | ".join(f"{t:.2f}" for t in best.values())
+              + f" | {best['graphamp.auto_cast'] - best['torch.autocast']:.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", default="4,16")
@@ -103,10 +133,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--per-op", action="store_true", help="auto_cast's cost per torch call, then stop")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {datetime.date.today()}; "
-          f"{args.threads} thread(s); median of {args.rounds} round-robin rounds of {args.steps} steps")
+          f"native bf16: {torch.ops.mkldnn._is_mkldnn_bf16_supported()}; {args.threads} thread(s)")
+    if args.per_op:
+        per_op_cost(max(args.rounds, 25))
+        return
+    print(f"median of {args.rounds} round-robin rounds of {args.steps} steps")
     print("| tiny Llama | autocast ms/step | graphamp ms/step | graphamp / autocast time |")
     print("|---|---:|---:|---:|")
     for layers in (int(n) for n in args.layers.split(",")):
