@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -282,38 +283,70 @@ def test_fsdp2_around_the_rewritten_model_trains_as_ddp_does(ranks):
         assert fsdp_result["graph_runs_for_the_new_size"] == 1
 
 
-def torchrun_example(*args: str) -> list[str]:
-    """Rank 0's log of examples/ddp_train.py on 2 CPU processes; the launcher and its workers die on timeout."""
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD_SIZE}",
-        str(REPOSITORY / "examples" / "ddp_train.py"), *args,
-    ]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPOSITORY), os.environ.get("PYTHONPATH", "")])}
-    env["CUDA_VISIBLE_DEVICES"] = ""  # gloo on CPU, also on a GPU machine
-    # Output goes to a file, not a pipe: a worker torchrun leaves behind (its own session) keeps a pipe open
-    # and would block reading it; the launcher's exit is what the test waits for, bounded.
-    with tempfile.TemporaryFile("w+") as log:
-        launcher = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
+class TorchrunExample:
+    """examples/ddp_train.py on 2 CPU processes under torchrun, started now; `steps()` waits for it and gives rank 0's
+    step lines. The launcher and its workers die JOB_TIMEOUT_S after the start."""
+
+    def __init__(self, *args: str):
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD_SIZE}",
+            str(REPOSITORY / "examples" / "ddp_train.py"), *args,
+        ]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPOSITORY), os.environ.get("PYTHONPATH", "")])}
+        env["CUDA_VISIBLE_DEVICES"] = ""  # gloo on CPU, also on a GPU machine
+        # Output goes to a file, not a pipe: a worker torchrun leaves behind (its own session) keeps a pipe open
+        # and would block reading it; the launcher's exit is what the test waits for, bounded.
+        # Appending: the workers' writes go to the end though output() reads from the start while they run.
+        self.log = tempfile.TemporaryFile("a+")
+        self.deadline = time.monotonic() + JOB_TIMEOUT_S
+        self.launcher = subprocess.Popen(
+            command, stdout=self.log, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
         )
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+    def wait_for_line(self, line: str) -> None:
+        """Until rank 0 has printed `line` (or the launcher is gone, which steps() then reports)."""
+        while line not in self.output().splitlines() and self.launcher.poll() is None:
+            if time.monotonic() > self.deadline:
+                break
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        if self.launcher.poll() is None:
+            os.killpg(self.launcher.pid, signal.SIGKILL)
+            self.launcher.wait()
+
+    def steps(self) -> list[str]:
         try:
-            launcher.wait(timeout=JOB_TIMEOUT_S)
+            self.launcher.wait(timeout=max(self.deadline - time.monotonic(), 0))
         except subprocess.TimeoutExpired:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.wait()
-        log.seek(0)
-        output = log.read()
-    if launcher.returncode == -signal.SIGKILL:
-        pytest.fail(f"torchrun did not finish within {JOB_TIMEOUT_S} s:\n{output}")
-    assert launcher.returncode == 0, output
-    return [line for line in output.splitlines() if line.startswith("step ")]
+            os.killpg(self.launcher.pid, signal.SIGKILL)
+            self.launcher.wait()
+        output = self.output()
+        self.log.close()
+        if self.launcher.returncode == -signal.SIGKILL:
+            pytest.fail(f"torchrun did not finish within {JOB_TIMEOUT_S} s:\n{output}")
+        assert self.launcher.returncode == 0, output
+        return [line for line in output.splitlines() if line.startswith("step ")]
 
 
 def test_a_run_resumed_from_a_checkpoint_continues_the_same_trajectory(tmp_path):
     # float16 with a loss scale that grows every 2 steps, so the scaling state matters across the checkpoint.
     run = ["--dtype", "float16", "--width", "8", "--steps", "8", "--log-every", "1", "--incr-every-n-steps", "2"]
-    straight = torchrun_example(*run, "--checkpoint-dir", str(tmp_path / "a"), "--checkpoint-every", "4")
-    resumed = torchrun_example(*run, "--checkpoint-dir", str(tmp_path / "b"), "--resume", str(tmp_path / "a/step-4.pt"))
+    straight_run = TorchrunExample(*run, "--checkpoint-dir", str(tmp_path / "a"), "--checkpoint-every", "4")
+    # The resumed run starts once step 4's checkpoint is written (rank 0 prints the line after torch.save returns):
+    # its start-up overlaps the straight run's last steps.
+    straight_run.wait_for_line(f"saved {tmp_path / 'a' / 'step-4.pt'}")
+    resumed_run = TorchrunExample(
+        *run, "--checkpoint-dir", str(tmp_path / "b"), "--resume", str(tmp_path / "a/step-4.pt")
+    )
+    try:
+        straight, resumed = straight_run.steps(), resumed_run.steps()
+    finally:
+        resumed_run.kill()  # when the straight run failed
 
     assert len(straight) == 8
     assert resumed == straight[4:]  # loss (6 decimals), loss scale and skips, step by step

@@ -196,7 +196,8 @@ def _this_environment_builds_wheels() -> bool:
 def test_default_lists_are_found_after_a_non_editable_install(tmp_path):
     target = tmp_path / "site"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(target), str(REPO)],
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index", "--no-compile",
+         "--disable-pip-version-check", "--target", str(target), str(REPO)],
         check=True, cwd=tmp_path,
     )
     check = (
