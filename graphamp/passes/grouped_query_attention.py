@@ -5,9 +5,12 @@ group of query heads (`repeat_kv`: unsqueeze, expand, reshape: a copy) before SD
 every layer. Eager HF passes the unrepeated heads with `enable_gqa=True`. The values are the same: query head i
 reads key/value head i // group either way.
 
-Only where SDPA runs a fused kernel for grouped heads: on a CPU (the flash kernel takes a mask and groups, 8%
-faster than the repeat on a tiny Llama's attention) or without a mask. CUDA's kernels that take a mask do not
-group, and SDPA would fall back to its math path, so a masked CUDA attention keeps the repeat.
+Only where SDPA runs a fused kernel for grouped heads and it pays: on a CUDA device without a mask, and on a CPU
+where the attention is not differentiated (inference, generate(): the flash kernel takes a mask and groups, 8%
+faster than the repeat on a tiny Llama's attention). CUDA's kernels that take a mask do not group, and SDPA would
+fall back to its math path; the CPU flash kernel's grouped backward is slower than the repeat's (a 32k-vocabulary
+Llama's compiled train step: 0.97× autocast+compile's speed grouped, 1.01× repeated; benchmarks/RESULTS.md). Those
+keep the repeat.
 """
 
 from __future__ import annotations
@@ -66,7 +69,11 @@ def _grouped_inputs(node: torch.fx.Node):
         return None
     query = node.args[0].meta.get("val")
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
-    if not isinstance(query, torch.Tensor) or query.dim() != 4 or (mask is not None and query.device.type != "cpu"):
+    if not isinstance(query, torch.Tensor) or query.dim() != 4:
+        return None
+    on_cpu = query.device.type == "cpu"
+    differentiated = getattr(node.meta.get("tensor_meta"), "requires_grad", True)  # make_fx's record; unknown: yes
+    if (on_cpu and differentiated) or (mask is not None and not on_cpu):
         return None
     chains = [_repeat_chain(node.args[i]) for i in (1, 2)]
     if any(chain is None for chain in chains) or len({chain[3] for chain in chains}) != 1:
