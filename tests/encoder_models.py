@@ -40,12 +40,7 @@ def segformer():
 def mobilevit():
     config = tf.MobileViTConfig(image_size=IMAGE, hidden_sizes=[16, 24, 32], neck_hidden_sizes=[8, 8, 16, 16, 24, 32, 64],
                                 num_attention_heads=2, num_labels=4)
-    model = tf.MobileViTForImageClassification(config)
-    # The model fixes 2, 4 and 3 transformer layers in its last three stages: converting the nine under dynamo was
-    # the slowest of these encoders. The first keeps its two (a seam between transformer layers), the others one.
-    for stage in model.mobilevit.encoder.layer[3:]:
-        del stage.transformer.layer[1:]
-    return model, _pixels()
+    return tf.MobileViTForImageClassification(config), _pixels()
 
 
 def albert():
