@@ -63,16 +63,15 @@ def converted_with_graphs(front_end, model, args=(), kwargs=None, amp_lists=None
 
 
 def gpt2_case(attn_implementation="sdpa"):
-    """A one-layer GPT-2 (each layer is captured alike; dynamo's time grows with the layers) and its batch."""
     ids = token_batch()
-    return gpt2(n_layer=1, attn_implementation=attn_implementation), (), {"input_ids": ids, "labels": ids}
+    return gpt2(attn_implementation=attn_implementation), (), {"input_ids": ids, "labels": ids}
 
 
 def bert_case():
     ids = token_batch()
     mask = torch.ones_like(ids)
     mask[:, -4:] = 0  # padded tail, so the mask is not a no-op
-    model = bert(num_hidden_layers=1)  # one layer, as the GPT-2s
+    model = bert()
     # BERT writes config.problem_type at its first call with labels, which dynamo guards on: set, it compiles once.
     model.config.problem_type = "single_label_classification"
     return model, (), {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([0, 2])}
@@ -264,7 +263,7 @@ def test_no_grad_region_gemm_executes_in_bfloat16(rewritten, bf16):
 # the one static program it was exported as, unless exported with dynamic=True.
 
 def test_each_new_shape_compiles_a_graph_that_matches_and_a_seen_shape_reuses_its_graph(bf16):
-    model = gpt2(n_layer=1)
+    model = gpt2()
     reference = copy.deepcopy(model)
     graphamp.rewrite(model, (), {"input_ids": token_batch(2, 16)}, amp_lists=bf16, dynamic=False)
 
@@ -282,14 +281,14 @@ def test_each_new_shape_compiles_a_graph_that_matches_and_a_seen_shape_reuses_it
 
 
 def test_an_exported_program_refuses_a_shape_it_was_not_exported_for(bf16):
-    program = graphamp.export_program(gpt2(n_layer=1), (), {"input_ids": token_batch(2, 16)}, amp_lists=bf16)
+    program = graphamp.export_program(gpt2(), (), {"input_ids": token_batch(2, 16)}, amp_lists=bf16)
 
     with pytest.raises(AssertionError, match=r"input_ids.size\(\)\[0\] == 2"):
         program.module()(input_ids=token_batch(3, 16, seed=1))
 
 
 def test_a_program_exported_with_dynamic_shapes_takes_new_shapes_and_matches_the_original(bf16):
-    model = gpt2(n_layer=1)
+    model = gpt2()
     program = graphamp.export_program(model, (), {"input_ids": token_batch(2, 16)}, amp_lists=bf16, dynamic=True)
     module = program.module()
     ids = token_batch(3, 24, seed=1)
@@ -325,7 +324,7 @@ def test_keyword_attention_mask_reaches_the_model(front_end, bf16):
 
     hidden = unpadded_last_hidden(run(**kwargs))
 
-    # Measured: 1.4e-4 from the masked original, 3.8e-3 from the unmasked one (two layers); 9.5e-5 and 2.7e-3 (one).
+    # Measured: 1.4e-4 from the masked original, 3.8e-3 from the unmasked one.
     assert relative_error(hidden, unpadded_last_hidden(reference(**kwargs))) < (
         relative_error(hidden, unpadded_last_hidden(reference(**unmasked))) / 10
     )
