@@ -47,11 +47,10 @@ def low_and_fp32(recorder: DtypeRecorder, ops=("addmm", "mm")) -> tuple[int, int
     return low, len(calls) - low
 
 
-# The transformers have one layer: every layer decides alike, and dynamo's time grows with them.
 MODEL_SET = {
-    "gpt2": (lambda: models.gpt2(n_layer=1), lambda: ((models.token_batch(),), {})),
-    "bert": (lambda: models.bert(num_hidden_layers=1), lambda: ((models.token_batch(),), {})),
-    "llama": (lambda: models.llama(num_hidden_layers=1), lambda: ((models.token_batch(),), {})),
+    "gpt2": (models.gpt2, lambda: ((models.token_batch(),), {})),
+    "bert": (models.bert, lambda: ((models.token_batch(),), {})),
+    "llama": (models.llama, lambda: ((models.token_batch(),), {})),
     "resnet": (models.SmallResNet, lambda: ((torch.randn(2, 1, 8, 8),), {})),
     "lstm": (models.LSTMClassifier, lambda: ((models.token_batch(),), {})),
     "custom_op": (models.CustomOpModel, lambda: ((torch.randn(4, 8),), {})),
