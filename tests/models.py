@@ -20,35 +20,36 @@ def gpt2(n_layer=2, n_embd=64, attn_implementation="sdpa"):
     return GPT2LMHeadModel(config)
 
 
-def bert(num_labels=3):
+def bert(num_labels=3, num_hidden_layers=2):
     from transformers import BertConfig, BertForSequenceClassification
 
     config = BertConfig(
-        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-        max_position_embeddings=64, num_labels=num_labels, hidden_dropout_prob=0.0,
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=num_hidden_layers, num_attention_heads=4,
+        intermediate_size=128, max_position_embeddings=64, num_labels=num_labels, hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0, pad_token_id=0,
     )
     return BertForSequenceClassification(config)
 
 
-def llama():
+def llama(num_hidden_layers=2):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, use_cache=False, pad_token_id=0,
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=num_hidden_layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, use_cache=False, pad_token_id=0,
     )
     return LlamaForCausalLM(config)
 
 
-def deberta_v2(num_labels=3):
+def deberta_v2(num_labels=3, num_hidden_layers=2):
     """Relative-position attention; given labels, its loss picks a branch on the labels' values (no export)."""
     from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
 
     config = DebertaV2Config(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-        max_position_embeddings=64, num_labels=num_labels, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-        pad_token_id=0, relative_attention=True, pos_att_type=["p2c", "c2p"], position_buckets=8,
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=num_hidden_layers, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=64, num_labels=num_labels, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0, pad_token_id=0, relative_attention=True, pos_att_type=["p2c", "c2p"],
+        position_buckets=8,
     )
     return DebertaV2ForSequenceClassification(config)
 

@@ -232,7 +232,7 @@ def test_the_backend_takes_lists_only():
 
 def test_tiny_llama_trains_like_autocast_with_fp32_master_gradients(bf16):
     torch.manual_seed(0)
-    model = llama()
+    model = llama(num_hidden_layers=1)  # inductor's time grows with the layers
     reference = copy.deepcopy(model)
     ids = token_batch(batch=2, seq=16)
     compiled = torch.compile(model, backend=graphamp.backend(bf16))
@@ -257,7 +257,7 @@ def test_tiny_llama_trains_like_autocast_with_fp32_master_gradients(bf16):
 
 def test_generate_runs_its_prefill_and_decode_steps_through_rewritten_graphs(bf16):
     torch.manual_seed(0)
-    model = llama().eval()
+    model = llama(num_hidden_layers=1).eval()  # one layer: dynamo's time grows with them
     model.config.use_cache = True
     ids = token_batch(batch=1, seq=6)
     expected = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
@@ -265,7 +265,7 @@ def test_generate_runs_its_prefill_and_decode_steps_through_rewritten_graphs(bf1
     model.forward = torch.compile(model.forward, backend=amp_backend)  # HF's way to compile for generate()
     assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0), expected)
     assert len(amp_backend.graphs) >= 2  # prefill, decode
-    assert all(report.decisions["white"] >= 14 for report in amp_backend.reports)  # 7 GEMMs a layer
+    assert all(report.decisions["white"] >= 7 for report in amp_backend.reports)  # the layer's 7 GEMMs
 
 
 def test_float16_overflow_skips_the_step_and_halves_the_scale(fp16):
@@ -322,7 +322,7 @@ def test_with_a_linked_optimizer_a_float16_overflow_in_plain_backward_skips_the_
 def test_deberta_v2_with_labels_trains_though_its_loss_reads_the_labels_values(bf16):
     """torch.export cannot capture it (export_program raises CaptureError); dynamo breaks the graph there."""
     torch.manual_seed(0)
-    model = deberta_v2()
+    model = deberta_v2(num_hidden_layers=1)  # one layer: dynamo's time grows with them
     ids, labels = token_batch(batch=4, seq=12), torch.tensor([0, 1, 2, 1])
     with pytest.raises(graphamp.CaptureError, match="tensor's value"):
         graphamp.export_program(copy.deepcopy(model), (), {"input_ids": ids, "labels": labels}, amp_lists=bf16)
@@ -336,7 +336,7 @@ def test_deberta_v2_with_labels_trains_though_its_loss_reads_the_labels_values(b
         losses.append(loss.item())
     assert losses[-1] < losses[0]
     reports = [graph.report for graph in graphamp.rewritten_graphs(model)]
-    assert sum(report.decisions["white"] for report in reports) >= 12  # q, k, v, o, 2 FFN x 2 layers
+    assert sum(report.decisions["white"] for report in reports) >= 6  # the layer's q, k, v, o, 2 FFN
 
 
 def test_export_writes_one_set_of_files_per_graph(bf16, tmp_path):

@@ -16,7 +16,8 @@ peft = pytest.importorskip("peft")
 
 MATMUL_KERNELS = ("addmm", "mm", "bmm")
 # Per GPT-2 layer: c_attn, its adapters' A and B, attn.c_proj, mlp.c_fc, mlp.c_proj; then lm_head.
-FORWARD_MATMULS = 2 * 6 + 1
+LAYERS = 1  # the recipe's GPT-2s have one layer: dynamo's time grows with the layers
+FORWARD_MATMULS = LAYERS * 6 + 1
 
 
 def lora_config():
@@ -31,7 +32,7 @@ def matmuls_in(recorder: CompiledCodeRecorder, dtype: torch.dtype) -> int:
 def recipe(bf16):
     """A tiny GPT-2 rewritten first, then given LoRA adapters: (the PeftModel, the rewritten base model)."""
     torch.manual_seed(0)
-    base = graphamp.rewrite(gpt2(), amp_lists=bf16)
+    base = graphamp.rewrite(gpt2(n_layer=LAYERS), amp_lists=bf16)
     return peft.get_peft_model(base, lora_config()), base
 
 
@@ -91,4 +92,4 @@ def test_merge_and_unload_of_the_recipe_gives_back_the_rewritten_model(bf16):
 
     assert merged is base
     assert matmuls_in(recorder, torch.float32) == 0
-    assert matmuls_in(recorder, torch.bfloat16) >= FORWARD_MATMULS - 4  # the merged layers hold no adapters
+    assert matmuls_in(recorder, torch.bfloat16) >= FORWARD_MATMULS - 2 * LAYERS  # the merged layers hold no adapters
