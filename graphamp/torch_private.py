@@ -229,7 +229,7 @@ def never_a_frame_of_its_own(function):
 
 # -- lowering dynamo's graph to ATen -----------------------------------------------------------------------------
 
-_exporting_for_graphamp = threading.local()
+_THREADS_LOWERING_WITH_THE_FLAG: set[int] = set()  # threading.get_ident() of each, while it is up
 
 
 @contextlib.contextmanager
@@ -238,27 +238,22 @@ def recording_functorch_transforms():
     only while torch says it is exporting; traced otherwise, they would batch the tracer's own tensors. That flag is
     process-wide: `exporting_elsewhere_for_graphamp()` tells other threads it is not theirs. Checked on torch 2.13
     (2.11: not yet run); pinned by tests/test_call_cost_passes.py (test_grouping_heads_keeps_a_vmap_in_the_same_graph)
-    and tests/test_eager_parity.py (test_threads_calling_while_another_compiles_never_see_fake_parameters)."""
-    global _threads_exporting_for_graphamp
+    and tests/test_eager_parity.py
+    (test_compiling_a_graph_without_a_vmap_leaves_torchs_process_wide_exporting_flag_down)."""
     exporting = torch.compiler._is_exporting_flag
     torch.compiler._is_exporting_flag = True
-    _exporting_for_graphamp.on = True
-    _threads_exporting_for_graphamp += 1
+    _THREADS_LOWERING_WITH_THE_FLAG.add(threading.get_ident())
     try:
         yield
     finally:
-        _threads_exporting_for_graphamp -= 1
-        _exporting_for_graphamp.on = False
+        _THREADS_LOWERING_WITH_THE_FLAG.discard(threading.get_ident())
         torch.compiler._is_exporting_flag = exporting
-
-
-_threads_exporting_for_graphamp = 0
 
 
 def exporting_elsewhere_for_graphamp() -> bool:
     """Whether torch.compiler.is_exporting() is True only because graphamp lowers a graph with a vmap in another
     thread (not a torch.export of this thread's)."""
-    return _threads_exporting_for_graphamp > 0 and not getattr(_exporting_for_graphamp, "on", False)
+    return bool(_THREADS_LOWERING_WITH_THE_FLAG) and threading.get_ident() not in _THREADS_LOWERING_WITH_THE_FLAG
 
 
 def trace_inside_make_fx(function):
