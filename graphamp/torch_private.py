@@ -1,8 +1,8 @@
-"""The private torch APIs graphamp calls that have no public form, each with why and the torches it was checked on.
+"""The private torch APIs graphamp calls that have no public form, each with why and the test that pins it.
 
 New private uses go here, so that the next torch release breaks one file (tests/test_architecture.py refuses a
 private torch name anywhere else). Each is pinned by a test (named below) that fails if torch changes what graphamp
-relies on.
+relies on. Every one was checked on torch 2.13; on 2.11, the oldest pyproject.toml allows, they are not yet run.
 
 Left where they are, as torch documents them as the way to do the thing (test_architecture.py lists them too):
 - `torch._foreach_*` (training/): one kernel launch for a list of tensors, as torch.optim calls them;
@@ -50,66 +50,62 @@ __all__ = [
 # -- trees of values ---------------------------------------------------------------------------------------------
 
 # torch's pytree (tree_leaves, tree_map, tree_map_only, tree_unflatten): how torch itself flattens a call's arguments
-# and outputs; torch 2.13 has no public module for it. Checked on torch 2.13 (2.11: not yet run); pinned by every test
-# that rewrites a model, first tests/test_backend.py (test_master_gradients_are_fp32_and_close_to_eager).
+# and outputs; torch 2.13 has no public module for it. Pinned by every test that rewrites a model, first
+# tests/test_backend.py (test_master_gradients_are_fp32_and_close_to_eager).
 pytree = torch.utils._pytree
 
 # -- ops and their schemas ---------------------------------------------------------------------------------------
 
 # The types of an ATen op's overload (aten.add.Tensor), its packet (aten.add) and a higher-order op (cond,
-# wrap_with_autocast): what a graph node's target is. Checked on torch 2.13 (2.11: not yet run); pinned by
-# tests/test_cast_pass.py (all of it).
+# wrap_with_autocast): what a graph node's target is. Pinned by tests/test_cast_pass.py (all of it).
 OpOverload = torch._ops.OpOverload
 OpOverloadPacket = torch._ops.OpOverloadPacket
 HigherOrderOperator = torch._ops.HigherOrderOperator
 
 
 def op_schema(op: OpOverload) -> torch.FunctionSchema:
-    """An op overload's schema: its arguments (names, defaults, which it writes or aliases) and returns. Checked on
-    torch 2.13 (2.11: not yet run); pinned by tests/test_cast_pass.py
-    (test_in_place_write_makes_an_earlier_cast_stale)."""
+    """An op overload's schema: its arguments (names, defaults, which it writes or aliases) and returns. Pinned by
+    tests/test_cast_pass.py (test_in_place_write_makes_an_earlier_cast_stale)."""
     return op._schema
 
 
 def qualified_op_name(op: OpOverload | OpOverloadPacket) -> str:
-    """'aten::add' for aten.add.Tensor and for aten.add. Checked on torch 2.13 (2.11: not yet run); pinned by
-    tests/test_eager_policy.py (test_a_rewritten_model_under_a_dispatch_mode_runs_low_and_keeps_its_graphs)."""
+    """'aten::add' for aten.add.Tensor and for aten.add. Pinned by tests/test_eager_policy.py
+    (test_a_rewritten_model_under_a_dispatch_mode_runs_low_and_keeps_its_graphs)."""
     return op._schema.name if isinstance(op, OpOverload) else op._qualified_op_name
 
 
 def all_op_schemas() -> list:
-    """The schema of every op registered now, custom ops included. Checked on torch 2.13 (2.11: not yet run); pinned by
-    tests/test_bad_input.py (test_a_typo_of_a_registered_custom_op_gets_a_suggestion)."""
+    """The schema of every op registered now, custom ops included. Pinned by tests/test_bad_input.py
+    (test_a_typo_of_a_registered_custom_op_gets_a_suggestion)."""
     return torch._C._jit_get_all_schemas()
 
 
 def op_schemas_named(qualified: str) -> list:
-    """The schemas of the op named 'namespace::name', one per overload; [] if none is registered. Checked on torch 2.13
-    (2.11: not yet run); pinned by tests/test_bad_input.py
-    (test_an_op_spelled_as_node_target_prints_it_is_that_overload)."""
+    """The schemas of the op named 'namespace::name', one per overload; [] if none is registered. Pinned by
+    tests/test_bad_input.py (test_an_op_spelled_as_node_target_prints_it_is_that_overload)."""
     return torch._C._jit_get_schemas_for_operator(qualified)
 
 
 # -- modes and fake tensors --------------------------------------------------------------------------------------
 
-# The base of a mode that sees every ATen call (graphamp's kernel recorder). Checked on torch 2.13 (2.11: not yet run);
-# pinned by tests/test_cast_pass.py (test_casts_executed_by_a_cnn_are_no_more_than_torch_autocast).
+# The base of a mode that sees every ATen call (graphamp's kernel recorder). Pinned by tests/test_cast_pass.py
+# (test_casts_executed_by_a_cnn_are_no_more_than_torch_autocast).
 TorchDispatchMode = _python_dispatch.TorchDispatchMode
-# The tensors and the mode torch traces with: shapes and dtypes, no data. Checked on torch 2.13 (2.11: not yet run);
-# pinned by tests/test_cast_pass.py (test_node_meta_val_matches_what_executes); no test makes a FakeTensorMode of its
-# own (the backend called outside dynamo).
+# The tensors and the mode torch traces with: shapes and dtypes, no data. Pinned by tests/test_cast_pass.py
+# (test_node_meta_val_matches_what_executes); no test makes a FakeTensorMode of its own (the backend called outside
+# dynamo).
 FakeTensor, FakeTensorMode = torch._subclasses.FakeTensor, torch._subclasses.FakeTensorMode
 detect_fake_mode = torch._guards.detect_fake_mode
-# Runs an op's Python decompositions and meta kernels, as torch's tracers do, on the cast pass's fake values. Checked on
-# torch 2.13 (2.11: not yet run); pinned by tests/test_cast_pass.py (test_node_meta_val_matches_what_executes).
+# Runs an op's Python decompositions and meta kernels, as torch's tracers do, on the cast pass's fake values. Pinned by
+# tests/test_cast_pass.py (test_node_meta_val_matches_what_executes).
 enable_python_dispatcher = torch._dispatch.python.enable_python_dispatcher
 
 
 @contextlib.contextmanager
 def outside_every_mode():
     """Run the block outside the caller's dispatch modes (a recorder, a fake mode) and torch-function modes (the eager
-    policy). Checked on torch 2.13 (2.11: not yet run); pinned by tests/test_fewer_casts.py
-    (test_the_probes_answer_for_this_cpu)."""
+    policy). Pinned by tests/test_fewer_casts.py (test_the_probes_answer_for_this_cpu)."""
     with _python_dispatch._disable_current_modes(), torch._C.DisableTorchFunction():
         yield
 
@@ -117,21 +113,20 @@ def outside_every_mode():
 @contextlib.contextmanager
 def torch_function_off():
     """Run the block with no torch-function handling: graphamp's graphs run their fx code without the eager policy's
-    mode (or any other) seeing each ATen call; dynamo traced the modes, and inductor's kernels skip them too. Checked
-    on torch 2.13 (2.11: not yet run); pinned by tests/test_eager_policy.py (test_auto_cast_decides_like_the_cast_pass)."""
+    mode (or any other) seeing each ATen call; dynamo traced the modes, and inductor's kernels skip them too. Pinned by
+    tests/test_eager_policy.py (test_auto_cast_decides_like_the_cast_pass)."""
     with torch._C.DisableTorchFunction():
         yield
 
 
-# A tensor subclass that presents one dtype over another's storage (low_storage.py), as torchao's float8 tensors:
-# a wrapper with no storage of its own, torch-function handling off. Checked on torch 2.13 (2.11: not yet run); pinned
-# by tests/test_low_outputs.py.
+# A tensor subclass that presents one dtype over another's storage (low_storage.py), as torchao's float8 tensors: a
+# wrapper with no storage of its own, torch-function handling off. Pinned by tests/test_low_outputs.py.
 disabled_torch_function_impl = torch._C._disabled_torch_function_impl
 
 
 def make_wrapper_subclass(cls: type, like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """An instance of the wrapper subclass `cls` with `like`'s shape, strides, offset and device, presenting `dtype`.
-    Checked on torch 2.13 (2.11: not yet run); pinned by tests/test_low_outputs.py."""
+    Pinned by tests/test_low_outputs.py."""
     return torch.Tensor._make_wrapper_subclass(
         cls, like.shape, strides=like.stride(), storage_offset=like.storage_offset(), dtype=dtype,
         device=like.device, requires_grad=False,
@@ -139,65 +134,60 @@ def make_wrapper_subclass(cls: type, like: torch.Tensor, dtype: torch.dtype) -> 
 
 
 def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
-    """The tensor `tensor` is a view of (autograd's record), or None. Checked on torch 2.13 (2.11: not yet run);
-    pinned by tests/test_output_aliases.py."""
+    """The tensor `tensor` is a view of (autograd's record), or None. Pinned by tests/test_output_aliases.py."""
     return tensor._base
 
 
 def tracing_on_fake_tensors() -> bool:
     """Whether a FakeTensorMode is active: torch is tracing (torch.cond's branches, make_fx), not running the model;
-    graphamp's eager policy leaves traced calls alone. Checked on torch 2.13 (2.11: not yet run); pinned by
-    tests/test_eager_policy.py (test_auto_cast_decides_like_the_cast_pass[regions])."""
+    graphamp's eager policy leaves traced calls alone. Pinned by tests/test_eager_policy.py
+    (test_auto_cast_decides_like_the_cast_pass[regions])."""
     return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
 
 
 def tracing_context():
     """Dynamo's context for the frame it compiles (its fake mode, each input tensor's symbolic context); None outside.
-    Checked on torch 2.13 (2.11: not yet run); pinned by tests/test_backend.py
-    (test_dynamic_batch_sizes_reuse_one_symbolic_graph)."""
+    Pinned by tests/test_backend.py (test_dynamic_batch_sizes_reuse_one_symbolic_graph)."""
     return torch._guards.TracingContext.try_get()
 
 
 # -- dynamo ------------------------------------------------------------------------------------------------------
 
 def set_dynamo_config(**settings) -> None:
-    """Set dynamo's process-wide settings (torch._dynamo.config; torch.compiler.config holds none of graphamp's).
-    Checked on torch 2.13 (2.11: not yet run); pinned by tests/test_seams.py (test_lstm_and_gru_run_their_matmuls_low:
-    allow_rnn) and tests/test_backend.py (test_a_hook_registered_after_the_first_call_runs_on_the_next:
-    skip_nnmodule_hook_guards)."""
+    """Set dynamo's process-wide settings (torch._dynamo.config; torch.compiler.config holds none of graphamp's). Pinned
+    by tests/test_seams.py (test_lstm_and_gru_run_their_matmuls_low: allow_rnn) and tests/test_backend.py
+    (test_a_hook_registered_after_the_first_call_runs_on_the_next: skip_nnmodule_hook_guards)."""
     for name, value in settings.items():
         setattr(torch._dynamo.config, name, value)
 
 
 def recompile_limit() -> int:
-    """How many graphs dynamo compiles for one code object before it runs the frame eagerly. Checked on torch 2.13
-    (2.11: not yet run); pinned by tests/test_dynamic_shapes.py
+    """How many graphs dynamo compiles for one code object before it runs the frame eagerly. Pinned by
+    tests/test_dynamic_shapes.py
     (test_past_dynamos_recompile_limit_graphamp_warns_once_and_the_call_runs_low_eagerly)."""
     return torch._dynamo.config.recompile_limit
 
 
-# What torch.compile raises when a backend raises: graphamp takes its own typed error back out of it. Checked on torch
-# 2.13 (2.11: not yet run); pinned by tests/test_integrations.py
-# (test_accelerate_bf16_mixed_precision_on_top_is_refused).
+# What torch.compile raises when a backend raises: graphamp takes its own typed error back out of it. Pinned by
+# tests/test_integrations.py (test_accelerate_bf16_mixed_precision_on_top_is_refused).
 BackendCompilerFailed = torch._dynamo.exc.BackendCompilerFailed
 
 
 def mark_dim_dynamic(tensor: torch.Tensor, dim: int) -> None:
     """Ask the next capture to keep `tensor`'s size at `dim` symbolic where the model allows (torch.export reads it
-    too). Checked on torch 2.13 (2.11: not yet run); pinned by tests/test_capture.py
+    too). Pinned by tests/test_capture.py
     (test_a_program_exported_with_dynamic_shapes_takes_new_shapes_and_matches_the_original)."""
     torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
 
-# Where mark_dim_dynamic records its marks, in the tensor's __dict__. Checked on torch 2.13 (2.11: not yet run); pinned
-# by the test that pins mark_dim_dynamic.
+# Where mark_dim_dynamic records its marks, in the tensor's __dict__. Pinned by the test that pins mark_dim_dynamic.
 DYNAMIC_DIM_MARKERS = ("_dynamo_weak_dynamic_indices", "_has_dynamo_dim_marking")
 
 
 def dispatch_mode_makes_dynamo_run_eagerly() -> bool:
     """Whether a TorchDispatchMode is active that makes dynamo run a frame eagerly (FlopCounterMode, a memory tracker;
     not one whose `ignore_compile_internals()` is True), and, after one such call, mark the frame's compiled code
-    skipped for good. Checked on torch 2.13 (2.11: not yet run); pinned by tests/test_eager_policy.py
+    skipped for good. Pinned by tests/test_eager_policy.py
     (test_a_rewritten_model_under_a_dispatch_mode_runs_low_and_keeps_its_graphs)."""
     on_stack = getattr(_python_dispatch, "any_torch_dispatch_mode_on_stack", None)
     if on_stack is not None and getattr(torch._dynamo.config, "inline_torch_dispatch_torch_compile", False):
@@ -209,8 +199,8 @@ def dispatch_mode_makes_dynamo_run_eagerly() -> bool:
 def dynamo_traces_this_thread() -> bool:
     """Whether this thread is tracing (dynamo, torch.export), asked where torch.compiler.is_compiling() says True: that
     flag is process-wide, True in every thread while any one compiles. Dynamo takes the result as a constant, so a
-    function that asks it traces to nothing. Checked on torch 2.13 (2.11: not yet run); pinned by
-    tests/test_eager_policy.py (test_calls_while_another_thread_compiles_run_low)."""
+    function that asks it traces to nothing. Pinned by tests/test_eager_policy.py
+    (test_calls_while_another_thread_compiles_run_low)."""
     return torch._guards.TracingContext.try_get() is not None
 
 
@@ -218,8 +208,8 @@ def never_a_frame_of_its_own(function):
     """Tell dynamo never to compile `function`'s frame, nor the frames it calls, when it runs eagerly inside a compiled
     call (code between two graphs calls it); dynamo still inlines it where it traces a call to it. The eager policy's
     __torch_function__ runs on every torch call there: compiled, it and its helpers would make a graph each (its code's
-    exec strategy: SKIP for it and for what it calls). Checked on torch 2.13 (2.11: not yet run); pinned by
-    tests/test_dynamic_shapes.py (test_dynamic_true_serves_every_batch_and_length_from_one_graph)."""
+    exec strategy: SKIP for it and for what it calls). Pinned by tests/test_dynamic_shapes.py
+    (test_dynamic_true_serves_every_batch_and_length_from_one_graph)."""
     from torch._C._dynamo.eval_frame import set_code_exec_strategy
     from torch._dynamo.types import FrameAction, FrameExecStrategy
 
@@ -236,9 +226,8 @@ _THREADS_LOWERING_WITH_THE_FLAG: set[int] = set()  # threading.get_ident() of ea
 def recording_functorch_transforms():
     """functorch's pre-dispatch wrappers (`_add_batch_dim`, `_vmap_increment_nesting`) record themselves in the graph
     only while torch says it is exporting; traced otherwise, they would batch the tracer's own tensors. That flag is
-    process-wide: `exporting_elsewhere_for_graphamp()` tells other threads it is not theirs. Checked on torch 2.13
-    (2.11: not yet run); pinned by tests/test_call_cost_passes.py (test_grouping_heads_keeps_a_vmap_in_the_same_graph)
-    and tests/test_eager_parity.py
+    process-wide: `exporting_elsewhere_for_graphamp()` tells other threads it is not theirs. Pinned by
+    tests/test_call_cost_passes.py (test_grouping_heads_keeps_a_vmap_in_the_same_graph) and tests/test_eager_parity.py
     (test_compiling_a_graph_without_a_vmap_leaves_torchs_process_wide_exporting_flag_down)."""
     exporting = torch.compiler._is_exporting_flag
     torch.compiler._is_exporting_flag = True
@@ -258,8 +247,7 @@ def exporting_elsewhere_for_graphamp() -> bool:
 
 def trace_inside_make_fx(function):
     """`function` traced to its own ATen graph from inside a make_fx trace, as higher-order ops trace their bodies.
-    Checked on torch 2.13 (2.11: not yet run); pinned by tests/test_seams.py
-    (test_a_custom_autograd_function_is_one_node_with_its_bodies_cast_by_the_lists)."""
+    Pinned by tests/test_seams.py (test_a_custom_autograd_function_is_one_node_with_its_bodies_cast_by_the_lists)."""
     from torch._higher_order_ops.utils import reenter_make_fx
 
     return reenter_make_fx(function)
@@ -267,7 +255,7 @@ def trace_inside_make_fx(function):
 
 def register_sub_graph(mode, prefix: str, graph_module: torch.fx.GraphModule) -> None:
     """Register a body traced by trace_inside_make_fx on the graph the proxy `mode` traces, under a fresh name starting
-    with `prefix`. Checked on torch 2.13 (2.11: not yet run); pinned by the test that pins trace_inside_make_fx."""
+    with `prefix`. Pinned by the test that pins trace_inside_make_fx."""
     from torch._higher_order_ops.utils import unique_graph_id
 
     _, name = unique_graph_id(mode, prefix=prefix)
@@ -276,36 +264,30 @@ def register_sub_graph(mode, prefix: str, graph_module: torch.fx.GraphModule) ->
 
 def size_oblivious_tracing():
     """While a graph is traced: torch answers "is this size 1?" with "no" instead of adding a guard (its
-    backed_size_oblivious, as its ONNX exporter does); a null context where torch lacks it. Checked on torch 2.13 (2.11:
-    not yet run); pinned by tests/test_capture.py
+    backed_size_oblivious, as its ONNX exporter does; torch has it since 2.7). Pinned by tests/test_capture.py
     (test_a_program_exported_with_dynamic_shapes_takes_new_shapes_and_matches_the_original)."""
-    if hasattr(shapes_config, "backed_size_oblivious"):
-        return shapes_config.patch(backed_size_oblivious=True)
-    return contextlib.nullcontext()
+    return shapes_config.patch(backed_size_oblivious=True)
 
 
 def default_checkpoint_context_fn(body: torch.fx.GraphModule, context_fn) -> None:
     """Give the body of a checkpointed region (dynamo's tag_activation_checkpoint) the context_fn that tracing it to
-    ATen reads, where dynamo set none (it sets one only for a user's context_fn). Checked on torch 2.13 (2.11: not yet
-    run); pinned by tests/test_activation_checkpointing.py
-    (test_checkpoint_pattern_saves_what_autocast_saves_with_torch_checkpoint)."""
+    ATen reads, where dynamo set none (it sets one only for a user's context_fn). Pinned by
+    tests/test_activation_checkpointing.py (test_checkpoint_pattern_saves_what_autocast_saves_with_torch_checkpoint)."""
     body.meta.setdefault("_checkpoint_context_fn", context_fn)
 
 
-# The calls dynamo writes into its graph where a `with torch.autocast(...)` region starts and ends. Checked on torch
-# 2.13 (2.11: not yet run); pinned by tests/test_fp32_regions.py (test_matmul_inside_autocast_disabled_region_runs_fp32)
-# and tests/test_integrations.py (test_accelerate_bf16_mixed_precision_on_top_is_refused).
+# The calls dynamo writes into its graph where a `with torch.autocast(...)` region starts and ends. Pinned by
+# tests/test_fp32_regions.py (test_matmul_inside_autocast_disabled_region_runs_fp32) and tests/test_integrations.py
+# (test_accelerate_bf16_mixed_precision_on_top_is_refused).
 ENTER_AUTOCAST, EXIT_AUTOCAST = torch.amp.autocast_mode._enter_autocast, torch.amp.autocast_mode._exit_autocast
 
 
 def wrap_autocast_regions(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """torch.export's own pass: each autocast region (ENTER_AUTOCAST ... EXIT_AUTOCAST) becomes a wrap_with_autocast op
-    around its sub-graph; the graph as it is where torch lacks the pass. Checked on torch 2.13 (2.11: not yet run);
-    pinned by tests/test_fp32_regions.py (test_matmul_inside_autocast_disabled_region_runs_fp32)."""
-    try:
-        from torch._export.passes.replace_autocast_with_hop_pass import replace_autocast_with_hop_pass
-    except ImportError:
-        return graph_module
+    around its sub-graph (torch has it since 2.5). Pinned by tests/test_fp32_regions.py
+    (test_matmul_inside_autocast_disabled_region_runs_fp32)."""
+    from torch._export.passes.replace_autocast_with_hop_pass import replace_autocast_with_hop_pass
+
     return replace_autocast_with_hop_pass(graph_module, None)[0]
 
 
@@ -313,7 +295,7 @@ def wrap_autocast_regions(graph_module: torch.fx.GraphModule) -> torch.fx.GraphM
 
 def generate_code_now(graph_module: torch.fx.GraphModule) -> None:
     """Make a GraphModule's Python code now: torch defers it to the first call, and a `forward` taken before is a stub
-    that calls the module. Checked on torch 2.13 (2.11: not yet run); pinned by tests/test_module_hooks.py
+    that calls the module. Pinned by tests/test_module_hooks.py
     (test_a_global_forward_hook_runs_at_every_module_call_as_in_eager)."""
     from torch.fx._lazy_graph_module import _LazyGraphModule
 
@@ -323,8 +305,7 @@ def generate_code_now(graph_module: torch.fx.GraphModule) -> None:
 def compile_with_inductor(graph_module: torch.fx.GraphModule, example_inputs: list, mode: str | None,
                           config_patches: dict):
     """Inductor's compile of an ATen graph, with torch.compile's `mode` (its inductor settings) under `config_patches`.
-    Checked on torch 2.13 (2.11: not yet run); pinned by tests/test_backend.py
-    (test_inductor_compiles_the_rewritten_graphs_with_their_matmuls_low)."""
+    Pinned by tests/test_backend.py (test_inductor_compiles_the_rewritten_graphs_with_their_matmuls_low)."""
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx  # imported late: inductor takes seconds to import
 
@@ -335,15 +316,14 @@ def compile_with_inductor(graph_module: torch.fx.GraphModule, example_inputs: li
 # -- modules -----------------------------------------------------------------------------------------------------
 
 # nn.Module's own call, hooks included (what `module(...)` runs when nothing is compiled), as a function of the module.
-# Checked on torch 2.13 (2.11: not yet run); pinned by tests/test_module_hooks.py
-# (test_forward_hook_registered_before_rewrite_changes_values_as_in_eager).
+# Pinned by tests/test_module_hooks.py (test_forward_hook_registered_before_rewrite_changes_values_as_in_eager).
 call_module_with_hooks = nn.Module._call_impl
 
 
 def module_buffers(module: nn.Module) -> dict:
     """The module's own buffers by name (None for one registered empty), as the dict it keeps: writing an entry puts a
-    buffer back with no registration hook. Checked on torch 2.13 (2.11: not yet run); pinned by
-    tests/test_failed_rewrite.py (test_the_example_call_restores_a_buffer_the_forward_reassigns)."""
+    buffer back with no registration hook. Pinned by tests/test_failed_rewrite.py
+    (test_the_example_call_restores_a_buffer_the_forward_reassigns)."""
     return module._buffers
 
 
@@ -353,15 +333,14 @@ _GLOBAL_HOOK_TABLES = tuple(
 
 
 def global_module_hooks() -> tuple:
-    """The handles of the global module hooks (register_module_forward_hook and the like) now registered. Checked on
-    torch 2.13 (2.11: not yet run); pinned by tests/test_seams.py
-    (test_a_global_module_hook_registered_after_the_first_call_runs)."""
+    """The handles of the global module hooks (register_module_forward_hook and the like) now registered. Pinned by
+    tests/test_seams.py (test_a_global_module_hook_registered_after_the_first_call_runs)."""
     return tuple(tuple(getattr(module_globals, table)) for table in _GLOBAL_HOOK_TABLES)
 
 
 def composable_apis_on(module: nn.Module) -> dict:
     """torch.distributed's composable APIs applied to `module` (`checkpoint(module)`, `fully_shard`) by name; {} where
-    torch lacks them. Checked on torch 2.13 (2.11: not yet run); pinned by tests/test_activation_checkpointing.py
+    torch lacks them. Pinned by tests/test_activation_checkpointing.py
     (test_composable_checkpoint_of_a_block_is_refused_with_the_fix)."""
     try:
         from torch.distributed._composable.contract import _get_registry
@@ -370,37 +349,35 @@ def composable_apis_on(module: nn.Module) -> dict:
     return _get_registry(module) or {}
 
 
-# The base class of BatchNorm*, SyncBatchNorm and InstanceNorm*: normalizations with running statistics. Checked on
-# torch 2.13 (2.11: not yet run); pinned by tests/test_backend.py (test_o2_keeps_normalization_weights_fp32).
+# The base class of BatchNorm*, SyncBatchNorm and InstanceNorm*: normalizations with running statistics. Pinned by
+# tests/test_backend.py (test_o2_keeps_normalization_weights_fp32).
 NormBase = nn.modules.batchnorm._NormBase
 
 
 # -- tensors and optimizers --------------------------------------------------------------------------------------
 
 def tensor_version(tensor: torch.Tensor) -> int:
-    """The tensor's version counter: each in-place write adds one. Checked on torch 2.13 (2.11: not yet run); pinned by
-    tests/test_clipping.py (test_clipping_scaled_gradients_before_unscale_is_refused_and_nothing_steps)."""
+    """The tensor's version counter: each in-place write adds one. Pinned by tests/test_clipping.py
+    (test_clipping_scaled_gradients_before_unscale_is_refused_and_nothing_steps)."""
     return tensor._version
 
 
 def sparse_values(tensor: torch.Tensor) -> torch.Tensor:
-    """A sparse tensor's values as stored, coalesced or not (GradScaler unscales a sparse gradient through them).
-    Checked on torch 2.13 (2.11: not yet run); pinned by tests/test_decorate.py
-    (test_unscale_gives_a_sparse_gradient_its_true_values)."""
+    """A sparse tensor's values as stored, coalesced or not (GradScaler unscales a sparse gradient through them). Pinned
+    by tests/test_decorate.py (test_unscale_gives_a_sparse_gradient_its_true_values)."""
     return tensor._values()
 
 
 def group_by_device_and_dtype(tensors: list[torch.Tensor]) -> dict:
-    """`tensors` grouped as torch.optim's foreach paths group them: {(device, dtype): ([tensors], indices)}. Checked on
-    torch 2.13 (2.11: not yet run); pinned by tests/test_loss_scaling.py
-    (test_unscale_divides_gradients_of_every_dtype_and_finds_no_inf)."""
+    """`tensors` grouped as torch.optim's foreach paths group them: {(device, dtype): ([tensors], indices)}. Pinned by
+    tests/test_loss_scaling.py (test_unscale_divides_gradients_of_every_dtype_and_finds_no_inf)."""
     return torch.utils._foreach_utils._group_tensors_by_device_and_dtype([tensors])
 
 
 def fused_step_takes_loss_scaling(optimizer: torch.optim.Optimizer) -> bool:
     """Whether the optimizer's step unscales by `grad_scale` and skips on `found_inf` inside its kernel (fused Adam,
-    AdamW, SGD): GradScaler's contract with them. Checked on torch 2.13 (2.11: not yet run); pinned by
-    tests/test_decorate.py (test_skipped_step_leaves_fused_adamw_state_bit_identical)."""
+    AdamW, SGD): GradScaler's contract with them. Pinned by tests/test_decorate.py
+    (test_skipped_step_leaves_fused_adamw_state_bit_identical)."""
     return getattr(optimizer, "_step_supports_amp_scaling", False)
 
 
@@ -408,6 +385,6 @@ def fused_step_takes_loss_scaling(optimizer: torch.optim.Optimizer) -> bool:
 
 def cpu_runs_bfloat16_natively() -> bool:
     """Whether oneDNN has bfloat16 kernels on this CPU (AVX512-BF16 or AMX); without them bfloat16 matmuls are emulated
-    and run many times slower than FP32. Checked on torch 2.13 (2.11: not yet run); pinned by every bfloat16 rewrite
-    on a CPU, first tests/test_failed_rewrite.py (test_the_example_call_restores_a_buffer_the_forward_reassigns)."""
+    and run many times slower than FP32. Pinned by every bfloat16 rewrite on a CPU, first tests/test_failed_rewrite.py
+    (test_the_example_call_restores_a_buffer_the_forward_reassigns)."""
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

@@ -22,7 +22,7 @@ from torch.fx.experimental.symbolic_shapes import constrain_range
 
 from graphamp.torch_private import DYNAMIC_DIM_MARKERS, mark_dim_dynamic, pytree, size_oblivious_tracing
 
-__all__ = ["automatic_dynamic_dims", "size_oblivious", "sizes_from_one"]
+__all__ = ["automatic_dynamic_dims", "sizes_from_one"]
 
 
 @contextlib.contextmanager
@@ -41,20 +41,13 @@ def automatic_dynamic_dims(tree):
             if size > 1:
                 mark_dim_dynamic(tensor, dim)
     try:
-        with size_oblivious():
+        with size_oblivious_tracing():
             yield
     finally:
         for tensor, markers in zip(tensors, saved):
             for name in DYNAMIC_DIM_MARKERS:  # left on a tensor, they fail compiled guards
                 tensor.__dict__.pop(name, None)
             tensor.__dict__.update(markers)
-
-
-def size_oblivious(dynamic: bool = True):
-    """While a dynamic graph is traced: torch answers "is this size 1?" with "no" instead of adding a guard that
-    would keep a batch of 1 out of the graph."""
-    # A static graph, or an older torch (size_oblivious_tracing is then a null context): sizes 1 specialize.
-    return size_oblivious_tracing() if dynamic else contextlib.nullcontext()
 
 
 def sizes_from_one(graph_module: torch.fx.GraphModule) -> None:

@@ -31,7 +31,7 @@ from graphamp.torch_private import (
 
 __all__ = ["to_aten"]
 
-_AUTOGRAD_FUNCTION = getattr(torch.ops.higher_order, "autograd_function_apply", None)
+_AUTOGRAD_FUNCTION = torch.ops.higher_order.autograd_function_apply
 
 
 def to_aten(gm: GraphModule, example_inputs: list, index: int = 0) -> tuple[GraphModule, list]:
@@ -74,7 +74,7 @@ class _Lowering(torch.fx.Interpreter):
     """Runs dynamo's graph node by node under make_fx; a custom autograd.Function is traced as one node."""
 
     def call_function(self, target, args, kwargs):
-        if _AUTOGRAD_FUNCTION is not None and target is _AUTOGRAD_FUNCTION:
+        if target is _AUTOGRAD_FUNCTION:
             return _trace_autograd_function(*args, **kwargs)
         return super().call_function(target, args, kwargs)
 
@@ -122,7 +122,7 @@ def _autocast_regions_as_higher_order_ops(aten_graph: GraphModule) -> GraphModul
     wraps each region in the wrap_with_autocast op, whose body the cast pass keeps as the model wrote it."""
     if not aten_graph.graph.find_nodes(op="call_function", target=ENTER_AUTOCAST):
         return aten_graph
-    return wrap_autocast_regions(aten_graph)  # a torch without the pass: the regions are cast like the rest
+    return wrap_autocast_regions(aten_graph)
 
 
 def _give_checkpoints_their_policy(gm: GraphModule) -> None:
@@ -131,8 +131,8 @@ def _give_checkpoints_their_policy(gm: GraphModule) -> None:
     checkpoints the policy torch itself gives them, recompute everything."""
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    checkpoint_op = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
-    for node in gm.graph.find_nodes(op="call_function", target=checkpoint_op) if checkpoint_op else []:
+    checkpoint_op = torch.ops.higher_order.tag_activation_checkpoint
+    for node in gm.graph.find_nodes(op="call_function", target=checkpoint_op):
         body = getattr(gm, node.args[0].target)
         default_checkpoint_context_fn(body, functools.partial(create_selective_checkpoint_contexts, _recompute_all))
 
@@ -167,6 +167,3 @@ def _fake_inputs(gm: GraphModule, example_inputs: list):
 
     nodes = placeholders + [None] * (len(example_inputs) - len(placeholders))
     return fake_mode, [fake(value, node) for value, node in zip(example_inputs, nodes)]
-
-
-# The frame-local a path starts from (`L['self']`, `L['args'][0]`, `G['model']`), and the tables between names.

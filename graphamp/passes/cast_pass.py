@@ -42,7 +42,7 @@ __all__ = ["INPUT_UPCAST", "RewriteReport", "insert_casts"]
 
 aten = torch.ops.aten
 # torch.autocast(..., enabled=False) captures as this higher-order op around a sub-graph.
-AUTOCAST_REGION = getattr(torch.ops.higher_order, "wrap_with_autocast", None)
+AUTOCAST_REGION = torch.ops.higher_order.wrap_with_autocast
 MODEL_FP32_REGION = "model: autocast(enabled=False)"
 CAST_OP = aten._to_copy.default
 # The meta key the front end sets on its upcast of an input that arrives low and presents float32.
@@ -526,7 +526,7 @@ def _autocast_enabled(node: Node) -> bool | None:
 
     A region disabled for CUDA is kept FP32 on every device: the graph does not know where it will run, and the
     model said that code needs FP32."""
-    if AUTOCAST_REGION is None or node.target is not AUTOCAST_REGION:
+    if node.target is not AUTOCAST_REGION:
         return None
     return bool(node.args[2])
 

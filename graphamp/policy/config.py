@@ -25,9 +25,7 @@ __all__ = [
 
 # O1: the lists decide each op. O2: every op but the black ones runs low, normalization parameters stay FP32.
 LEVELS = ("O1", "O2")
-_NORM_MODULE_TYPES = (
-    NormBase, nn.LayerNorm, nn.GroupNorm, *((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ()),
-)
+_NORM_MODULE_TYPES = (NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 
 
 @dataclass(frozen=True)
