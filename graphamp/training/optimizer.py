@@ -30,29 +30,20 @@ def decorate(
 ) -> OptimizerWithMixedPrecision | list[OptimizerWithMixedPrecision]:
     """Wrap ``optimizer`` in an :class:`OptimizerWithMixedPrecision` that scales the loss (defaults: paddle.amp's).
 
-    ``use_dynamic_loss_scaling=None`` means on for float16 and off for bfloat16, as ``amp_lists.dtype`` says (float16
-    when no lists are given); off by that default means no scaling at all (a scale of 1.0), since bfloat16 has
-    float32's range. ``use_dynamic_loss_scaling=False`` keeps the scale fixed at ``init_loss_scaling``. Either
-    way inf/NaN steps are still skipped.
-    ``max_loss_scaling`` caps the growth of the scale (insightface's MaxClipGradScaler).
+    The rule and its arguments: docs/loss_scaling.md; training loops with and without ``model``: docs/training_loops.md.
 
-    Distributed: every rank must skip or step together and hold the same scale. ``found_inf`` is all-reduced (MAX)
-    over ``process_group`` at each ``unscale_()``/``step()``, one 4-byte collective per wrapper per iteration on the
-    gradients' device; None means the default group once torch.distributed is initialised with more than one rank.
-    So every rank must step each decorated optimizer equally often, as DDP already asks of ``backward()``.
-
-    Sharing: pass a list of optimizers to get a list of wrappers that share one :class:`LossScaler`. Each wrapper
-    unscales, checks and steps (or skips) its own parameters; the scale is updated once per iteration, by the step()
-    of the last wrapper to step, from the inf/NaN found by any of them (GradScaler's ``update()`` after all
-    ``step()`` calls). So every wrapper of the list steps once per iteration; one ``backward`` may feed them all.
-
-    Any loop: with ``model`` (a model ``graphamp.rewrite()`` converted, or a module holding one), the rewritten
-    model's graphs run through the first wrapper's ``run_graph_scaled``, which scales the gradients inside them; a
-    plain ``loss.backward()`` leaves true gradients in ``.grad`` and ``step()`` skips on inf/NaN. See
-    docs/training_loops.md. Rewrite the model before decorating its optimizer, and decorate with the lists it was
-    rewritten with: lists of the other dtype are refused, since the loss scaling follows their dtype. Without
-    ``model``, the rewritten models holding the optimizer's parameters are found and linked, with a FutureWarning:
-    pass ``model=model``.
+    Args:
+        optimizer: a torch optimizer, or a list of them: a list gets a list of wrappers sharing one LossScaler, whose
+            scale the last of them to step updates once per iteration (every wrapper steps once per iteration).
+        amp_lists: the lists the model was rewritten with; their dtype picks the loss scaling (default: float16).
+        use_dynamic_loss_scaling: None is on for float16 and off for bfloat16 (a scale of 1.0: bfloat16 has float32's
+            range); False keeps ``init_loss_scaling`` fixed. Either way inf/NaN steps are skipped.
+        max_loss_scaling: caps the growth of the scale (insightface's MaxClipGradScaler).
+        process_group: the ranks whose ``found_inf`` is all-reduced (MAX) at each ``unscale_()``/``step()``, so that
+            they skip together; None is the default group once torch.distributed runs more than one rank.
+        model: the model ``graphamp.rewrite()`` converted (or a module holding one): its graphs scale the gradients
+            inside, so a plain ``loss.backward()`` leaves true gradients in ``.grad``. Without it the rewritten
+            models holding the optimizer's parameters are found and linked, with a FutureWarning.
     """
     optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
     if not optimizers:
@@ -206,34 +197,24 @@ def _wrapped(name: str) -> property:
     )
 
 
+def _delegated(name: str) -> Callable:
+    """The wrapped optimizer's method `name`, called through the wrapper."""
+    def method(self, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self._optimizer, name)(*args, **kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
 class OptimizerWithMixedPrecision(torch.optim.Optimizer):
     """A torch optimizer with loss scaling; made by :func:`graphamp.decorate`. The name is Paddle's.
 
-    Paddle's habit, one call per iteration::
-
-        opt.zero_grad(); opt.minimize(loss)
-
-    GradScaler's habit, with true gradients to clip between backward and step::
-
-        opt.zero_grad(); opt.backward(loss); opt.unscale_()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0); opt.step()
-
-    ``backward(loss)`` may run several times before ``step()`` (gradient accumulation); ``step()`` unscales once,
-    checks for inf/NaN, steps or skips (parameters and optimizer state untouched), then updates the scale.
-
-    Host syncs: ``step()`` reads ``found_inf`` once to decide whether to call the wrapped ``step()``, as GradScaler
-    does, except for optimizers that take ``grad_scale``/``found_inf`` themselves (``fused=True`` Adam, AdamW, SGD):
-    they get the device tensors and skip on the device, with no sync. ``get_loss_scaling()``, ``found_inf`` and
-    ``skipped_steps`` read back from the device when called.
-
-    Anywhere a torch optimizer goes: ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's
-    (so LR schedulers change its learning rate), and so are the hooks registered through the wrapper (they fire
-    around the wrapped optimizer's own ``step()``, so not on skipped steps, and receive the wrapped optimizer).
-    ``state_dict()`` is the wrapped optimizer's plus a ``"loss_scaler"`` entry; ``load_state_dict()`` also takes
-    a plain torch optimizer state dict. Other public attributes are read from the wrapped optimizer.
-
-    Wrappers that share a loss scaler come from ``decorate([opt_a, opt_b])``; see :func:`decorate`. Two wrappers
-    built by hand around one ``LossScaler`` would each update it, twice per iteration.
+    Paddle's habit is ``opt.minimize(loss)``; GradScaler's, with true gradients to clip before the step, is
+    ``opt.backward(loss); opt.unscale_(); clip_grad_norm_(...); opt.step()``. ``backward(loss)`` may run several
+    times before ``step()`` (gradient accumulation); ``step()`` unscales once, skips the update on inf/NaN, then
+    updates the scale. Anywhere a torch optimizer goes: ``param_groups``, ``state``, ``defaults``, hooks and other
+    public attributes are the wrapped optimizer's; ``state_dict()`` adds a ``"loss_scaler"`` entry. Host syncs,
+    fused optimizers, closures and shared loss scalers: docs/loss_scaling.md.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, loss_scaler: LossScaler) -> None:
@@ -285,26 +266,14 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
         if self._stage is _Stage.UNSCALED:
             self._stage = _Stage.READY  # the unscaled gradients are gone; backward() may run again
 
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        self._optimizer.add_param_group(param_group)
-
-    def register_step_pre_hook(self, hook: Callable) -> Any:
-        return self._optimizer.register_step_pre_hook(hook)
-
-    def register_step_post_hook(self, hook: Callable) -> Any:
-        return self._optimizer.register_step_post_hook(hook)
-
-    def register_state_dict_pre_hook(self, hook: Callable, prepend: bool = False) -> Any:
-        return self._optimizer.register_state_dict_pre_hook(hook, prepend=prepend)
-
-    def register_state_dict_post_hook(self, hook: Callable, prepend: bool = False) -> Any:
-        return self._optimizer.register_state_dict_post_hook(hook, prepend=prepend)
-
-    def register_load_state_dict_pre_hook(self, hook: Callable, prepend: bool = False) -> Any:
-        return self._optimizer.register_load_state_dict_pre_hook(hook, prepend=prepend)
-
-    def register_load_state_dict_post_hook(self, hook: Callable, prepend: bool = False) -> Any:
-        return self._optimizer.register_load_state_dict_post_hook(hook, prepend=prepend)
+    # torch.optim.Optimizer defines these, so __getattr__ never reaches them: they go to the wrapped optimizer here.
+    add_param_group = _delegated("add_param_group")
+    register_step_pre_hook = _delegated("register_step_pre_hook")
+    register_step_post_hook = _delegated("register_step_post_hook")
+    register_state_dict_pre_hook = _delegated("register_state_dict_pre_hook")
+    register_state_dict_post_hook = _delegated("register_state_dict_post_hook")
+    register_load_state_dict_pre_hook = _delegated("register_load_state_dict_pre_hook")
+    register_load_state_dict_post_hook = _delegated("register_load_state_dict_post_hook")
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state dict plus ``"loss_scaler"``: scale, good/bad steps and config."""
