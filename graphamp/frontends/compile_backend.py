@@ -33,11 +33,19 @@ from graphamp.torch_private import (
     ENTER_AUTOCAST, EXIT_AUTOCAST, compile_with_inductor, generate_code_now, set_dynamo_config, torch_function_off,
 )
 
-__all__ = ["AmpBackend", "BackendGraph", "GraphRunner", "backend", "configure_dynamo", "refuse_outer_autocast"]
+__all__ = [
+    "GRAPHAMP_OPTIONS", "LIST_OPTIONS", "AmpBackend", "BackendGraph", "GraphRunner", "backend", "configure_dynamo",
+    "refuse_outer_autocast",
+]
 
 # The one link between the graphs and training: run one graph, `run(*args)`, with loss scaling inside, and return its
 # outputs. graphamp.training makes it (OptimizerWithMixedPrecision.run_graph_scaled); the backend only calls it.
 GraphRunner = Callable[[Callable, tuple], Any]
+
+# torch.compile's options that are graphamp's, not inductor's (named_backend.py reads them; a rewritten model refuses
+# them in model.compile()).
+LIST_OPTIONS = ("custom_white_list", "custom_black_list", "custom_gray_list", "custom_black_modules", "lists_dir")
+GRAPHAMP_OPTIONS = ("amp_lists", "dtype", "level", *LIST_OPTIONS)
 
 
 def backend(
@@ -139,12 +147,8 @@ class AmpBackend:
 
     def link_optimizer(self, optimizer) -> None:
         """Scale gradients inside every graph by this decorated optimizer's loss scaling (for a backend of one's
-        own): `link_loss_scaling(optimizer.run_graph_scaled)`.
-
-        Each graph's floating outputs pass the gradient on times the scale and its inputs (the master weights,
-        the activations from a graph before a graph break) divide it again: between graphs and in `.grad` the
-        gradients are true, inside them (the float16 backward) scaled. One optimizer per backend: give each model
-        its own backend. `rewrite()` links itself at `decorate(..., model=model)`.
+        own): `link_loss_scaling(optimizer.run_graph_scaled)`, as training/in_graph_scaling.py describes. One
+        optimizer per backend: give each model its own backend. `rewrite()` links itself at `decorate(..., model=...)`.
 
         Args:
             optimizer: what `graphamp.decorate()` returned (the latest link wins).

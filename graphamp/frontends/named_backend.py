@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import os
 
-from graphamp.frontends.compile_backend import AmpBackend, configure_dynamo
+from graphamp.frontends.compile_backend import GRAPHAMP_OPTIONS, LIST_OPTIONS, AmpBackend, configure_dynamo
 from graphamp.policy.config import AmpConfig
 from graphamp.policy.lists import AutoMixedPrecisionLists
 
 __all__ = ["graphamp_backend"]
-
-_LIST_OPTIONS = ("custom_white_list", "custom_black_list", "custom_gray_list", "custom_black_modules", "lists_dir")
-GRAPHAMP_OPTIONS = ("amp_lists", "dtype", "level", *_LIST_OPTIONS)
 
 # torch resolves the name when torch.compile() is called, before dynamo traces: RNN modules and late hooks must be
 # configured by then.
@@ -53,7 +50,7 @@ def config_from(options: dict) -> AmpConfig:
     level = options.get("level", os.environ.get("GRAPHAMP_LEVEL", "O1"))
     lists = options.get("amp_lists")
     if lists is None:
-        given = {key: options[key] for key in _LIST_OPTIONS if key in options}
+        given = {key: options[key] for key in LIST_OPTIONS if key in options}
         if "lists_dir" not in given and os.environ.get("GRAPHAMP_LISTS_DIR"):
             given["lists_dir"] = os.environ["GRAPHAMP_LISTS_DIR"]
         lists = AutoMixedPrecisionLists(dtype=options.get("dtype", os.environ.get("GRAPHAMP_DTYPE", "bfloat16")), **given)

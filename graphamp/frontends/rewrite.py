@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from graphamp.errors import ArgumentError, GraphampError
-from graphamp.frontends.compile_backend import AmpBackend, BackendGraph, refuse_outer_autocast
+from graphamp.frontends.compile_backend import GRAPHAMP_OPTIONS, AmpBackend, BackendGraph, refuse_outer_autocast
 from graphamp.frontends.eager_policy import EagerPolicy, ModelFacts, rules_for
 from graphamp.policy.config import AmpConfig, check_entry_arguments, check_master_weights
 from graphamp.torch_private import (
@@ -325,9 +325,9 @@ def compile(module: nn.Module, *args, backend="inductor", mode=None, options=Non
             f"graphamp's graphs with inductor; for another backend, compile a model that was not rewritten."
         )
     options = dict(options or {})
-    if any(key in options for key in _GRAPHAMP_OPTIONS):
+    if any(key in options for key in GRAPHAMP_OPTIONS):
         raise ArgumentError(
-            f"model.compile(options=...) got graphamp's list options ({', '.join(k for k in options if k in _GRAPHAMP_OPTIONS)}) "
+            f"model.compile(options=...) got graphamp's list options ({', '.join(k for k in options if k in GRAPHAMP_OPTIONS)}) "
             f"on a model rewritten with its own lists: rewrite a fresh FP32 model to change its lists."
         )
     state.settings = CompileSettings(True, mode, options, dynamic, fullgraph)
@@ -336,8 +336,6 @@ def compile(module: nn.Module, *args, backend="inductor", mode=None, options=Non
 
 # What AmpState.install() sets on the model.
 _INSTALLED = ("_compiled_call_impl", "_call_impl", "compile", "__reduce_ex__", "_graphamp")
-_GRAPHAMP_OPTIONS = ("amp_lists", "dtype", "level", "custom_white_list", "custom_black_list", "custom_gray_list",
-                     "custom_black_modules", "lists_dir")
 
 
 @contextlib.contextmanager
