@@ -1,10 +1,7 @@
 """auto_mixed_precision(): the most ops that can run low while the loss (or outputs) stays within a tolerance.
 
-In the spirit of onnxconverter-common's auto_convert_mixed_precision, at the granularity of list entries:
-every list entry of the graph's ops is a candidate to run low (black entries move to white) or to stay FP32
-(black). The doctor's measurements order the entries by how much running them low costs; a binary search
-finds the shortest prefix of that order that must stay black, then each of those is tried low again, cheapest
-first, and kept low if the tolerance still holds. Each try is one forward of the rewritten graph.
+A binary search over the list entries, ordered by the doctor's measured cost of running each low, then a greedy
+pass that tries each entry kept black low again; docs/doctor.md ("Automatic mode") describes it.
 """
 
 from __future__ import annotations

@@ -2,13 +2,9 @@
 
 `Probe` captures the model once, as an FP32 ExportedProgram (capture_program). `reference(seed)` runs the FP32
 graph and keeps every node's value and output gradient; `compare(amp_lists, reference)` rewrites a copy of the
-graph with those lists and runs it, measuring each op node against the reference as it goes:
-- error: the node's value against FP32, everything upstream included;
-- local_error: the op alone, as the rewritten graph runs it, on the FP32 run's inputs;
-- low_error: the op run in the low dtype on the FP32 run's inputs (what putting it on the white list costs);
-- grad_error: the gradient reaching the node's output, against FP32's.
-Both runs draw the same random numbers (dropout), and neither touches the model's parameters, gradients or
-buffers: they run on copies.
+graph with those lists and runs it, measuring each op node against the reference as it goes (error, local_error,
+low_error, grad_error: the table in docs/doctor.md). Both runs draw the same random numbers (dropout), and neither
+touches the model's parameters, gradients or buffers: they run on copies.
 """
 
 from __future__ import annotations

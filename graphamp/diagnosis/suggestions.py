@@ -1,15 +1,7 @@
-"""What to put on which list, from what the probe measured.
-
-- Fixes for inf/NaN: the first op that overflows goes FP32: its module into custom_black_modules when it is
-  a white op (a GEMM: keeping that op FP32 everywhere would cost every GEMM's speed), else its list entry
-  onto black.txt under the dtype's section. Each fix is applied and the model run again, until the run is
-  finite (the fixes are then *verified*) or no new fix is found.
-- Accuracy: an op that runs low with its own error far above the dtype's rounding goes FP32 (a white op's
-  module, another op's entry), but only where a rerun shows the loss error at least halves: an error made
-  upstream and only amplified here (a cancellation) is not mended by keeping this op FP32.
-- Speed-ups: black ops whose values fit the low dtype and whose measured low-precision error is within a few
-  roundings are candidates for white, each with the loss error a rerun measures with it (not verified:
-  `auto_mixed_precision` checks against a tolerance).
+"""What to put on which list, from what the probe measured: fixes for the first inf/NaN (each verified by a
+rerun), FP32 candidates for ops badly conditioned in the low dtype (kept where a rerun at least halves the loss
+error), and white candidates among the black ops whose values fit it. docs/doctor.md ("What it suggests") gives
+the rules.
 """
 
 from __future__ import annotations

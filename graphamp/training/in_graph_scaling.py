@@ -1,19 +1,10 @@
 """Loss scaling inside the graph: any loop's plain `loss.backward()` leaves true FP32 gradients in `.grad`.
 
 While a rewritten model (its backend) is linked to a decorated optimizer whose scale is not fixed at 1.0, each
-graph run with autograd on multiplies the gradient entering the graph (at its floating outputs) by the scale, and
-the gradient leaving it into each input (the FP32 master weights, activations from the graph before a graph break)
-by 1/scale, both read from the LossScaler's device tensor at forward time (no host sync). Inside, the float16
-backward runs on scaled gradients, as with a scaled loss; outside, AccumulateGrad adds true gradients, so gradient
-accumulation and `clip_grad_norm_` right after `backward()` are right.
-
-One pass: the division is torch's fused `_amp_foreach_non_finite_check_and_unscale_`, and its found_inf is kept
-(`CheckedGradients`, on the device, no host sync). `step()` counts those flags and checks only the gradients the
-graphs did not leave in `.grad` as they checked them (eager code's, accumulated ones, those changed since).
-
-The link: `decorate(optimizer, lists, model=model)` hands the model's backend the optimizer's `run_graph_scaled`
-(AmpBackend.link_loss_scaling); a model compiled with a graphamp.backend of one's own is linked with
-`amp_backend.link_optimizer(optimizer)`.
+graph run with autograd on multiplies the gradient entering it at its floating outputs by the scale, and the one
+leaving it into each input by 1/scale (the fused `_amp_foreach_non_finite_check_and_unscale_`, whose found_inf
+`CheckedGradients` keeps for `step()`), both read from the LossScaler's device tensor: no host sync.
+docs/training_loops.md and docs/loss_scaling.md ("Linked", "One pass") say what follows for gradients and `step()`.
 """
 
 from __future__ import annotations
