@@ -1,13 +1,8 @@
 """`torch.compile(model, backend="graphamp")`: graphamp's backend by name, for code that never imports graphamp.
 
-torch finds it through the `torch_dynamo_backends` entry point (pyproject.toml), so `model.compile(backend=
-"graphamp")` before HF's Trainer, or Lightning's `trainer.fit(torch.compile(module, backend="graphamp"))`, reach it
-with no graphamp code in the loop. Where the lists come from, first found wins:
-- torch.compile's `options`: the keys `dtype`, `level`, `lists_dir`, `custom_white_list`, `custom_black_list`,
-  `custom_gray_list`, `custom_black_modules` (or `amp_lists`, an AutoMixedPrecisionLists); every other key is
-  inductor's, as with torch's own backend, and `mode=` is inductor's mode;
-- the environment: GRAPHAMP_DTYPE, GRAPHAMP_LEVEL, GRAPHAMP_LISTS_DIR;
-- the shipped lists in bfloat16 (no loss scaling needed: nothing links an optimizer here).
+torch finds it through the `torch_dynamo_backends` entry point (pyproject.toml). The lists come from torch.compile's
+`options` (GRAPHAMP_OPTIONS), else the environment (GRAPHAMP_DTYPE, GRAPHAMP_LEVEL, GRAPHAMP_LISTS_DIR), else the
+shipped lists in bfloat16; docs/backend.md says which keys and why bfloat16.
 """
 
 from __future__ import annotations

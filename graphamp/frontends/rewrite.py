@@ -7,10 +7,8 @@ the user's object: its class, `state_dict()` keys, hooks, `.data` writes, `gener
 its own, and copies (deepcopy, pickle, torch.save) stay converted. What graphamp keeps on it is `model._graphamp`.
 
 Every call runs under graphamp's eager policy (eager_policy.py, graphamp.auto_cast): the code dynamo runs itself
-(between graphs at a graph break, skipped modules, a call past the recompile limit, a thread waiting for another's
-compile, a call after an exception) follows the same lists, and graphamp's graphs keep their own casts
-(docs/backend.md, "Outside the graphs"). A call under a TorchDispatchMode (FlopCounterMode, a memory tracker), which
-dynamo would run eagerly and then never compile again, runs the model's code under the policy, bypassing dynamo.
+follows the same lists, and graphamp's graphs keep their own casts; a call under a TorchDispatchMode runs the
+model's code under the policy, bypassing dynamo (docs/backend.md, "Outside the graphs", lists each case).
 """
 
 from __future__ import annotations
