@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 
-from graphamp.inspection.html_page import escape, format_number, render_page
+from graphamp.diagnosis.numerics import ranked
+from graphamp.inspection.html_page import escape, format_number, render_page, section
 
 __all__ = ["render_doctor_page"]
 
@@ -16,6 +17,7 @@ _STYLE = "tr.bad td { background: #fde0e0; } .ok { color: #2a7a2a; } .unsure { c
 _W, _H, _LEFT, _RIGHT, _TOP, _BOTTOM = 1000, 360, 60, 160, 20, 40  # the right margin holds the legend
 _ERROR, _RANGE, _BAD = "#1f77b4", "#ff7f0e", "#d62728"
 _HALO = 'stroke="white" stroke-width="3" paint-order="stroke"'  # keeps a label readable over thousands of points
+_NOT_MEASURED = "no nodes were measured."
 _NUMERIC = {"index", "max_abs", "overflow", "underflow", "error", "local_error", "low_error", "grad_error"}
 _OFFENDER_COLUMNS = [
     ("node", "name"), ("op", "op"), ("module", "module"), ("decision", "decision"), ("runs in", "runs_in"),
@@ -34,10 +36,10 @@ def render_doctor_page(report: dict) -> str:
     sections = [
         _verdict(report),
         _suggestions_section(report.get("suggestions") or []),
-        "<h2>Top offenders</h2>\n" + _node_table(report.get("top_offenders") or [], _OFFENDER_COLUMNS),
+        section("Top offenders", _node_table(report.get("top_offenders") or [], _OFFENDER_COLUMNS), _NOT_MEASURED),
         _plot_section(report),
         _parameters_section(report.get("parameters") or []),
-        "<h2>All nodes</h2>\n" + _node_table(report.get("nodes") or [], _NODE_COLUMNS),
+        section("All nodes", _node_table(report.get("nodes") or [], _NODE_COLUMNS), _NOT_MEASURED),
     ]
     return render_page(f"graphamp doctor: {title}", sections, _STYLE)
 
@@ -74,17 +76,15 @@ def _where(record: dict) -> str:
 
 
 def _suggestions_section(suggestions: list) -> str:
-    if not suggestions:
-        return "<h2>Suggestions</h2>\n<p>None: no list change is suggested.</p>"
     marks = {True: '<span class="ok" title="a rerun with it applied is finite, or its loss error at least halves">(verified)</span>',
              False: '<span class="unsure">(not verified)</span>'}
     items = "\n".join(f"<li>{escape(s['text'])} {marks[bool(s.get('verified'))]}</li>" for s in suggestions)
-    return f"<h2>Suggestions</h2>\n<ul>\n{items}\n</ul>"
+    return section("Suggestions", f"<ul>\n{items}\n</ul>" if suggestions else "", "no list change is suggested.")
 
 
 def _node_table(nodes: list, columns: list) -> str:
     if not nodes:
-        return "<p>None: no nodes were measured.</p>"
+        return ""
     head = "".join(f"<th>{escape(header)}</th>" for header, _ in columns)
     rows = "\n".join(
         ("<tr class=bad>" if node.get("nonfinite") or node.get("grad_nonfinite") else "<tr>")
@@ -104,9 +104,9 @@ def _cell(key: str, value) -> str:
 
 
 def _parameters_section(parameters: list, limit: int = 50) -> str:
-    if not parameters:
-        return "<h2>Parameter gradients</h2>\n<p>None: no parameter gradients were compared.</p>"
-    worst_first = sorted(parameters, key=lambda p: -_badness(p.get("grad_error"), p.get("grad_nonfinite")))
+    worst_first = sorted(
+        parameters, key=lambda p: -math.inf if p.get("grad_nonfinite") else -ranked(p.get("grad_error"))
+    )
     rows = "\n".join(
         ("<tr class=bad>" if p.get("grad_nonfinite") else "<tr>") + f"<td><code>{escape(p['name'])}</code></td>"
         f"<td class=n>{format_number(p.get('grad_error'))}</td><td class=n>{format_number(p.get('grad_max_abs'))}</td>"
@@ -114,27 +114,18 @@ def _parameters_section(parameters: list, limit: int = 50) -> str:
         for p in worst_first[:limit]
     )
     more = f"\n<p>… and {len(worst_first) - limit} more, not shown.</p>" if len(worst_first) > limit else ""
-    return (
-        "<h2>Parameter gradients</h2>\n<table>\n<tr><th>parameter</th><th>grad error</th><th>grad max |x|</th>"
-        f"<th>non-finite</th></tr>\n{rows}\n</table>{more}"
-    )
-
-
-def _badness(value, nonfinite) -> float:
-    if nonfinite or (value is not None and not math.isfinite(value)):
-        return math.inf
-    return -1.0 if value is None else value
+    table = ("<table>\n<tr><th>parameter</th><th>grad error</th><th>grad max |x|</th><th>non-finite</th></tr>\n"
+             f"{rows}\n</table>{more}")
+    return section("Parameter gradients", table if parameters else "", "no parameter gradients were compared.")
 
 
 def _plot_section(report: dict) -> str:
     nodes = report.get("nodes") or []
-    if not nodes:
-        return "<h2>Per-node error and range</h2>\n<p>None: no nodes were measured.</p>"
-    return (
-        "<h2>Per-node error and range</h2>\n<p>Relative error vs the FP32 run and max |x| / dtype max of each node, "
+    return section("Per-node error and range", (
+        "<p>Relative error vs the FP32 run and max |x| / dtype max of each node, "
         "on one log scale. A red point at the top is non-finite; values above the dashed dtype max line overflow. "
         "Hover over a point for its node.</p>\n" + _plot(nodes, report.get("dtype_max"), report.get("first_nonfinite"))
-    )
+    ) if nodes else "", _NOT_MEASURED)
 
 
 def _series(nodes: list, dtype_max) -> tuple[list, list]:

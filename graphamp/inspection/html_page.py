@@ -8,7 +8,7 @@ from __future__ import annotations
 import html
 import math
 
-__all__ = ["PAGE_STYLE", "escape", "format_number", "render_page"]
+__all__ = ["PAGE_STYLE", "escape", "format_number", "render_page", "section"]
 
 PAGE_STYLE = """
 body { font-family: Helvetica, Arial, sans-serif; margin: 2em; color: #222; max-width: 1200px; }
@@ -30,6 +30,11 @@ def render_page(title: str, sections: list[str], extra_style: str = "") -> str:
         f"<style>{PAGE_STYLE}{extra_style}</style>\n</head>\n<body>\n<h1>{title}</h1>\n"
         + "\n".join(sections) + "\n</body>\n</html>\n"
     )
+
+
+def section(title: str, body: str, empty: str) -> str:
+    """`<h2>title</h2>` and its body (HTML); with no body, the paragraph "None: `empty`"."""
+    return f"<h2>{escape(title)}</h2>\n" + (body or f"<p>None: {escape(empty)}</p>")
 
 
 def escape(text) -> str:

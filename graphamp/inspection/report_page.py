@@ -11,7 +11,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from graphamp.inspection.graph_picture import CAST_FILL, FILL, OTHER_FILL, runs_in
-from graphamp.inspection.html_page import escape, render_page
+from graphamp.inspection.html_page import escape, render_page, section
 from graphamp.policy.lists import Decision
 
 __all__ = ["CastCounts", "render_report"]
@@ -71,18 +71,15 @@ def _picture_section(svg: str) -> str:
 
 def _unlisted_section(summary: dict) -> str:
     unlisted = summary["unlisted_ops"]
-    if not unlisted:
-        return "<h2>Unlisted ops</h2>\n<p>None: every op of this graph is on a list.</p>"
     rows = "\n".join(
         f"<tr><td><code>{escape(op)}</code></td><td class=n>{count}</td></tr>" for op, count in unlisted.items()
     )
-    return (
-        "<h2>Unlisted ops</h2>\n"
+    return section("Unlisted ops", (
         "<p>These ops are on no list, so they followed their inputs like gray ops. To decide them, add the op a line "
         "to <code>white.txt</code>, <code>black.txt</code> or <code>gray.txt</code> in your lists folder, or pass "
         "<code>AutoMixedPrecisionLists(custom_gray_list=[...])</code> (or white/black).</p>\n"
         f"<table>\n<tr><th>op</th><th>count</th></tr>\n{rows}\n</table>"
-    )
+    ) if unlisted else "", "every op of this graph is on a list.")
 
 
 def _ops_section(summary: dict) -> str:
