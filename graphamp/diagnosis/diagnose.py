@@ -22,7 +22,7 @@ from graphamp.diagnosis.list_writer import write_lists
 from graphamp.policy.dtypes import dtype_name
 from graphamp.errors import ArgumentError
 from graphamp.policy.lists import AutoMixedPrecisionLists
-from graphamp.diagnosis.numerics import floating_leaves, relative_error
+from graphamp.diagnosis.numerics import floating_leaves, ranked, relative_error
 from graphamp.diagnosis.probe import NodeNumerics, Probe
 from graphamp.diagnosis.suggestions import (
     BLACK_MODULE, WHITE_OP, Suggestion, accuracy_and_speed, fixes_for_nonfinite, lists_with, measured_on_the_loss,
@@ -77,8 +77,8 @@ class DoctorReport:
             return (
                 record.nonfinite or record.grad_nonfinite,
                 record.overflow if runs_low else 0.0,
-                _number(record.local_error),
-                _number(record.error),
+                ranked(record.local_error),
+                ranked(record.error),
             )
 
         measured = [r for r in self.nodes if r.error is not None or r.nonfinite]
@@ -225,11 +225,11 @@ def _merge(report: DoctorReport, comparison, reference) -> None:
         comparison.first_nonfinite_grad and by_name.get(comparison.first_nonfinite_grad.name)
     )
     if comparison.output_error is not None:
-        report.output_error = max(_number(report.output_error), comparison.output_error)
+        report.output_error = max(ranked(report.output_error), comparison.output_error)
     later = _parameters(comparison.parameter_grads, reference.parameter_grads)
     for mine, theirs in zip(report.parameters, later):
-        mine.grad_error = max(_number(mine.grad_error), _number(theirs.grad_error))
-        mine.grad_max_abs = max(_number(mine.grad_max_abs), _number(theirs.grad_max_abs))
+        mine.grad_error = max(ranked(mine.grad_error), ranked(theirs.grad_error))
+        mine.grad_max_abs = max(ranked(mine.grad_max_abs), ranked(theirs.grad_max_abs))
         mine.grad_nonfinite |= theirs.grad_nonfinite
 
 
@@ -245,20 +245,13 @@ def _parameters(grads: dict, expected: dict) -> list[ParameterGradient]:
             grad_max_abs=float(finite.abs().max()) if finite.numel() else None,
             grad_nonfinite=finite.numel() != grad.numel(),
         ))
-    return sorted(found, key=lambda p: _number(p.grad_error), reverse=True)
+    return sorted(found, key=lambda p: ranked(p.grad_error), reverse=True)
 
 
 def _culprit(record: NodeNumerics | None) -> dict | None:
     if record is None:
         return None
     return {"node": record.name, "op": record.op, "module": record.module, "max_abs_fp32": record.max_abs}
-
-
-def _number(value) -> float:
-    """None as -1 and NaN as inf, for ranking."""
-    if value is None:
-        return -1.0
-    return math.inf if math.isnan(value) else value
 
 
 def _json_safe(value):

@@ -12,7 +12,7 @@ import torch
 
 from graphamp.torch_private import pytree
 
-__all__ = ["floating_leaves", "nonfinite_where_finite", "range_in", "relative_error", "unit_roundoff"]
+__all__ = ["floating_leaves", "nonfinite_where_finite", "range_in", "ranked", "relative_error", "unit_roundoff"]
 
 
 def floating_leaves(value) -> list[torch.Tensor]:
@@ -66,6 +66,13 @@ def range_in(reference, dtype: torch.dtype) -> tuple[float | None, float, float]
         overflow += int((finite & low.isinf()).sum())
         underflow += int(((t != 0) & (low == 0)).sum())
     return max_abs, overflow / count, underflow / count
+
+
+def ranked(value: float | None) -> float:
+    """A figure for ranking the worst first: None (not measured) as -1 and NaN as inf."""
+    if value is None:
+        return -1.0
+    return math.inf if math.isnan(value) else value
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:
