@@ -218,12 +218,9 @@ def _merge(report: DoctorReport, comparison, reference) -> None:
     for mine, theirs in zip(report.nodes, comparison.nodes):
         mine.merge(theirs)
     by_name = {r.name: r for r in report.nodes}
-    report.first_nonfinite = report.first_nonfinite or (
-        comparison.first_nonfinite and by_name.get(comparison.first_nonfinite.name)
-    )
-    report.first_nonfinite_grad = report.first_nonfinite_grad or (
-        comparison.first_nonfinite_grad and by_name.get(comparison.first_nonfinite_grad.name)
-    )
+    for first in ("first_nonfinite", "first_nonfinite_grad"):  # the report's own record of the node, by name
+        if getattr(report, first) is None and getattr(comparison, first) is not None:
+            setattr(report, first, by_name.get(getattr(comparison, first).name))
     if comparison.output_error is not None:
         report.output_error = max(ranked(report.output_error), comparison.output_error)
     later = _parameters(comparison.parameter_grads, reference.parameter_grads)
