@@ -21,9 +21,7 @@ import torch
 from torch import nn
 
 import graphamp
-from graphamp import (
-    ArgumentError, AutoMixedPrecisionLists, DoubleAmpError, ExportError, ListFileError, LossScalingError,
-)
+from graphamp import ArgumentError, AutoMixedPrecisionLists, DoubleAmpError, ExportError, ListFileError
 from graphamp.cli import main
 from graphamp.policy.list_files import OP_LIST_FILES, default_lists_dir
 from conftest import write_list_folder
@@ -112,7 +110,7 @@ BAD_CALLS = [
     pytest.param(lambda tmp: graphamp.doctor(nn.Linear(4, 4), (x(),), amp_lists=torch.float16), ArgumentError,
                  r"doctor\(amp_lists=\.\.\.\) got a dtype", id="doctor-amp_lists-a-dtype"),
     pytest.param(lambda tmp: graphamp.decorate(torch.optim.SGD(nn.Linear(4, 4).parameters(), lr=0.1), "float16"),
-                 LossScalingError, r"decorate\(amp_lists=\.\.\.\) got a str; pass the "
+                 ArgumentError, r"decorate\(amp_lists=\.\.\.\) got a str; pass the "
                  r"graphamp\.AutoMixedPrecisionLists\(dtype='float16'\)", id="decorate-amp_lists-a-string"),
     pytest.param(lambda tmp: graphamp.rewrite(nn.Linear(4, 4), [x()]), ArgumentError,
                  r"rewrite\(\) got example_args as a list; the positional arguments are a tuple: \(x,\)",

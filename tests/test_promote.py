@@ -194,3 +194,26 @@ def test_promote_op_gets_explicit_casts_in_the_pass(rewritten, bf16, seeded):
 def test_lists_folder_without_promote_file_promotes_nothing(write_lists, tmp_path):
     folder = write_lists(tmp_path / "mine", gray="cat\n")
     assert graphamp.AutoMixedPrecisionLists(lists_dir=folder).promote_ops == frozenset()
+
+
+class MixedInnerProduct(nn.Module):
+    """A model written for autocast: the inner product of its own bfloat16 vector and a float32 one (eager and
+    torch.export refuse the mix)."""
+
+    def __init__(self):
+        super().__init__()
+        self.vector = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        return torch.inner(self.vector.bfloat16(), x)
+
+
+def test_export_program_captures_with_the_users_promote_list_not_the_shipped_one(write_lists, tmp_path):
+    """export_program's capture meets mixed inputs at the widest for the ops of the lists' own promote.txt."""
+    model, x = MixedInnerProduct(), torch.randn(4)
+    with pytest.raises(graphamp.CaptureError):  # the shipped promote.txt has no inner: eager's refusal stands
+        graphamp.export_program(model, (x,), amp_lists=graphamp.AutoMixedPrecisionLists(dtype="bfloat16"))
+    mine = graphamp.AutoMixedPrecisionLists(dtype="bfloat16", lists_dir=write_lists(tmp_path / "mine", promote="inner\n"))
+    program = graphamp.export_program(model, (x,), amp_lists=mine)
+    expected = torch.inner(model.vector.bfloat16().float(), x)
+    torch.testing.assert_close(program.module()(x).float(), expected, atol=2e-2, rtol=2e-2)

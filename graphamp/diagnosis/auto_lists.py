@@ -81,7 +81,7 @@ def auto_mixed_precision(
     start = config.lists
     if not (isinstance(tolerance, (int, float)) and tolerance > 0):
         raise ArgumentError(f"tolerance={tolerance!r}: pass a positive relative error, e.g. 1e-2.")
-    probe = Probe(model, example_args, example_kwargs, level, loss_fn)
+    probe = Probe(model, example_args, example_kwargs, level, loss_fn, promote_ops=start.promote_ops)
     reference = probe.reference(seed=0, backward=False)
     measured = probe.compare(start, reference, backward=False)
     colors = {e.name: e.color for e in start.entries()}

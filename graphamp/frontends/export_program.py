@@ -59,7 +59,7 @@ def export_program(
     refuse_outer_autocast(
         pytree.tree_leaves((args, kwargs)), f"graphamp.export_program() of {type(model).__name__} was called"
     )
-    return rewrite_program(capture_program(model, args, kwargs, dynamic), config)
+    return rewrite_program(capture_program(model, args, kwargs, dynamic, config.lists.promote_ops), config)
 
 
 def rewrite_program(program: ExportedProgram, config) -> ExportedProgram:
@@ -84,13 +84,18 @@ def _output_names(graph_module: torch.fx.GraphModule) -> list:
     return [value.name if isinstance(value, torch.fx.Node) else value for value in pytree.tree_leaves(output.args)]
 
 
-def capture_program(model: nn.Module, args: tuple, kwargs: dict, dynamic: bool = False) -> ExportedProgram:
+def capture_program(
+    model: nn.Module, args: tuple, kwargs: dict, dynamic: bool = False, promote_ops: frozenset[str] | None = None
+) -> ExportedProgram:
     """torch.export of `model` on (args, kwargs) in FP32, its current train/eval mode; CaptureError if it cannot be.
 
     dynamic: leave every dim of the tensor inputs symbolic, from size 1 up, where the model allows.
+    promote_ops: the ops whose mixed floating inputs meet at the widest while capturing (the lists' promote.txt;
+        default: the shipped one).
     """
     args, kwargs = _ordinary_tensors((args, kwargs))
-    promote_ops = read_promote_ops(default_lists_dir(), torch.float32, "lists/promote.txt")
+    if promote_ops is None:
+        promote_ops = read_promote_ops(default_lists_dir(), torch.float32, "lists/promote.txt")
     try:
         # Grad mode is fixed so that one program serves calls under no_grad/inference_mode too.
         dims = automatic_dynamic_dims((args, kwargs)) if dynamic else contextlib.nullcontext()

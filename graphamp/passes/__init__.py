@@ -41,8 +41,9 @@ def run_passes(
     """The cast pass ("cast"), then PASSES_AFTER_CASTS, on `graph_module` in place; returns the cast pass's report.
 
     Each runs under torch.fx's GraphTransformObserver by its name (subsystem "graphamp"), as inductor's passes do:
-    TORCH_COMPILE_DEBUG's graph-transform logs and pass bisection see them, and dynamo_timed counts each as
-    `pass.graphamp.<name>`; the "graphamp.passes" logger says each pass's name and time at DEBUG.
+    INDUCTOR_LOG_URL_FOR_GRAPH_XFORM's graph-transform logs see them; the passes after the casts can be switched
+    off by TORCHINDUCTOR_DISABLED_PASSES or the bisector, the cast pass never (it is the policy). The
+    "graphamp.passes" logger says each pass's name and time, or that it was disabled, at DEBUG.
 
     Args:
         graph_module: the pre-autograd ATen graph, as traced in FP32.
@@ -51,17 +52,32 @@ def run_passes(
         timings: where to add each pass's seconds, as "pass <name>".
         outputs_stay_low: the cast pass leaves outputs it computed low as they are (see insert_casts).
     """
-    report = None
-
-    def cast(gm: GraphModule) -> None:
-        nonlocal report
-        report = insert_casts(gm, config, parameters, outputs_stay_low)
-
-    for name, apply in (("cast", cast), *PASSES_AFTER_CASTS):
+    started = time.perf_counter()
+    # The cast pass is the policy, not an optimization: observed, but never skipped by inductor's disabled_passes
+    # (a substring test: "REMOVE_BROADCAST" names "CAST") or its bisector, which would leave the graph FP32 silently.
+    with GraphTransformObserver(graph_module, "cast", subsystem="graphamp"):
+        report = insert_casts(graph_module, config, parameters, outputs_stay_low)
+    _done(graph_module, "cast", started, timings, ran=True)
+    for name, apply in PASSES_AFTER_CASTS:
         started = time.perf_counter()
-        GraphTransformObserver(graph_module, name, subsystem="graphamp").apply_gm_pass(apply)
-        seconds = time.perf_counter() - started
-        if timings is not None:
-            timings[f"pass {name}"] = seconds
-        log.debug("graphamp pass %s: %.1f ms, %d nodes after it", name, 1e3 * seconds, len(graph_module.graph.nodes))
+        ran = GraphTransformObserver(graph_module, name, subsystem="graphamp").apply_gm_pass(_ran(apply))
+        _done(graph_module, name, started, timings, ran=bool(ran))
     return report
+
+
+def _ran(apply):
+    """`apply` as a pass that answers True: the observer answers None for a pass it skipped."""
+    def run(graph_module: GraphModule) -> bool:
+        apply(graph_module)
+        return True
+    return run
+
+
+def _done(graph_module: GraphModule, name: str, started: float, timings: dict | None, ran: bool) -> None:
+    seconds = time.perf_counter() - started
+    if timings is not None:
+        timings[f"pass {name}"] = seconds
+    if ran:
+        log.debug("graphamp pass %s: %.1f ms, %d nodes after it", name, 1e3 * seconds, len(graph_module.graph.nodes))
+    else:
+        log.debug("graphamp pass %s: disabled (TORCHINDUCTOR_DISABLED_PASSES or the bisector)", name)

@@ -52,20 +52,20 @@ def decorate(
         if isinstance(opt, OptimizerWithMixedPrecision):
             raise LossScalingError("this optimizer is already decorated: pass the torch optimizer it wraps instead.")
         if not isinstance(opt, torch.optim.Optimizer):
-            raise LossScalingError(f"decorate() takes torch.optim.Optimizer objects, got {type(opt).__name__}.")
+            raise ArgumentError(f"decorate() takes torch.optim.Optimizer objects, got {type(opt).__name__}.")
     if len({id(opt) for opt in optimizers}) != len(optimizers):
         raise LossScalingError("decorate() got the same optimizer twice: pass each optimizer once.")
 
     if amp_lists is not None and not hasattr(amp_lists, "dtype"):
         dtype = f"dtype={amp_lists!r}" if isinstance(amp_lists, (str, torch.dtype)) else "..."
-        raise LossScalingError(
+        raise ArgumentError(  # a wrong argument, as rewrite() says of the same mistake
             f"decorate(amp_lists=...) got a {type(amp_lists).__name__}; pass the "
             f"graphamp.AutoMixedPrecisionLists({dtype}) the model was rewritten with."
         )
     try:
         dtype = torch.float16 if amp_lists is None else resolve_dtype(amp_lists.dtype)
     except ValueError as error:
-        raise LossScalingError(
+        raise ArgumentError(
             f"amp_lists.dtype is {amp_lists.dtype}: loss scaling is for torch.float16 or torch.bfloat16."
         ) from error
     _check_argument_types(use_dynamic_loss_scaling, process_group, model)
