@@ -19,7 +19,7 @@ from graphamp.frontends.compile_backend import AmpBackend, backend
 from graphamp.frontends.eager_policy import auto_cast
 from graphamp.frontends.export_program import export_program
 from graphamp.frontends.low_storage import LowStorageTensor, stored_values
-from graphamp.frontends.rewrite import rewrite, rewritten_graphs
+from graphamp.frontends.rewrite import is_rewritten, rewrite, rewritten_graphs
 from graphamp.inspection.export_files import export
 from graphamp.passes.cast_pass import RewriteReport
 from graphamp.policy.lists import AutoMixedPrecisionLists, Decision
@@ -52,6 +52,7 @@ __all__ = [
     "doctor",
     "export",
     "export_program",
+    "is_rewritten",
     "rewrite",
     "rewritten_graphs",
     "stored_values",

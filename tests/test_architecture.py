@@ -33,7 +33,7 @@ def graphamp_modules():
 
 @pytest.mark.parametrize("name", [
     "OptimizerWithMixedPrecision", "LossScaler", "RewriteReport", "DoctorReport", "AutoListsResult",
-    "AutoMixedPrecisionLists", "Decision", "rewrite", "rewritten_graphs", "export_program", "backend", "decorate",
+    "AutoMixedPrecisionLists", "Decision", "rewrite", "rewritten_graphs", "is_rewritten", "export_program", "backend", "decorate",
     "export", "doctor", "auto_mixed_precision",
 ])
 def test_the_types_and_functions_users_hold_are_public(name):

@@ -14,8 +14,6 @@ from graphamp.policy.lists import AutoMixedPrecisionLists
 from models import PooledSum, gpt2, large_inputs, token_batch
 from training import relative_error
 
-BF16 = AutoMixedPrecisionLists(dtype="bfloat16")
-
 
 @pytest.fixture(scope="module")
 def model_and_batch():
@@ -32,16 +30,16 @@ def loss_error(model, batch, lists):
 
 
 @pytest.fixture(scope="module")
-def loose(model_and_batch):
+def loose(model_and_batch, bf16):
     model, batch = model_and_batch
-    return graphamp.auto_mixed_precision(model, (), batch, tolerance=1e-3, amp_lists=BF16)
+    return graphamp.auto_mixed_precision(model, (), batch, tolerance=1e-3, amp_lists=bf16)
 
 
 @pytest.fixture(scope="module")
-def tight(model_and_batch):
+def tight(model_and_batch, bf16):
     model, batch = model_and_batch
-    start_error = loss_error(model, batch, BF16)
-    return start_error, graphamp.auto_mixed_precision(model, (), batch, tolerance=start_error / 2, amp_lists=BF16)
+    start_error = loss_error(model, batch, bf16)
+    return start_error, graphamp.auto_mixed_precision(model, (), batch, tolerance=start_error / 2, amp_lists=bf16)
 
 
 def test_a_loose_tolerance_runs_more_ops_low_and_keeps_it(model_and_batch, loose):

@@ -14,7 +14,6 @@ import models
 from conftest import FrontEnd
 from graphamp.passes.grouped_query_attention import attend_grouped_queries
 
-BF16 = graphamp.AutoMixedPrecisionLists(dtype="bfloat16")
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 
 
@@ -38,13 +37,13 @@ def _attention(model):
     return [n for graph in graphamp.rewritten_graphs(model) for n in graph.graph_module.graph.nodes if n.target is SDPA]
 
 
-def test_a_llama_call_without_gradients_on_a_cpu_repeats_no_heads_and_gives_the_same_logits(monkeypatch):
+def test_a_llama_call_without_gradients_on_a_cpu_repeats_no_heads_and_gives_the_same_logits(bf16, monkeypatch):
     reference, batch = _llama_and_batch()
     model, plain_model = copy.deepcopy(reference), copy.deepcopy(reference)
-    graphamp.rewrite(model, amp_lists=BF16)
+    graphamp.rewrite(model, amp_lists=bf16)
     with monkeypatch.context() as patch:
         patch.setattr(graphamp.passes, "PASSES_AFTER_CASTS", ())
-        graphamp.rewrite(plain_model, amp_lists=BF16)
+        graphamp.rewrite(plain_model, amp_lists=bf16)
         with torch.no_grad():
             plain_logits = plain_model(**batch).logits
     with torch.no_grad():
@@ -60,15 +59,15 @@ def test_a_llama_call_without_gradients_on_a_cpu_repeats_no_heads_and_gives_the_
 
 
 @pytest.mark.parametrize("front_end", ["compile", "export"])
-def test_a_llama_train_step_on_a_cpu_keeps_the_repeated_heads_whose_backward_is_faster(front_end, monkeypatch):
+def test_a_llama_train_step_on_a_cpu_keeps_the_repeated_heads_whose_backward_is_faster(bf16, front_end, monkeypatch):
     """The CPU flash kernel's grouped backward is slower than the repeat's: a differentiated attention keeps it, and
     trains exactly as without the pass."""
     reference, batch = _llama_and_batch()
     model, plain_model = copy.deepcopy(reference), copy.deepcopy(reference)
-    repeated = FrontEnd(front_end).convert(model, (), batch, amp_lists=BF16)
+    repeated = FrontEnd(front_end).convert(model, (), batch, amp_lists=bf16)
     with monkeypatch.context() as patch:
         patch.setattr(graphamp.passes, "PASSES_AFTER_CASTS", ())
-        plain = FrontEnd(front_end).convert(plain_model, (), batch, amp_lists=BF16)
+        plain = FrontEnd(front_end).convert(plain_model, (), batch, amp_lists=bf16)
 
     attention = [n for n in repeated.graph_module.graph.nodes if n.target is SDPA]
     assert attention and not any(n.kwargs.get("enable_gqa") for n in attention)
@@ -132,12 +131,12 @@ def test_a_differentiated_attention_on_a_cpu_keeps_its_repeated_heads():
     assert not any(n.kwargs.get("enable_gqa") for n in graph_module.graph.nodes if n.target is SDPA)
 
 
-def test_a_llama_compiled_by_inductor_with_grouped_heads_gives_the_fx_code_rewrites_logits():
+def test_a_llama_compiled_by_inductor_with_grouped_heads_gives_the_fx_code_rewrites_logits(bf16):
     """Inductor compiles the graph that calls SDPA with enable_gqa (a call without gradients, on a CPU)."""
     model, batch = _llama_and_batch()
     eager_model = copy.deepcopy(model)
-    graphamp.rewrite(model, amp_lists=BF16, compile=True)
-    graphamp.rewrite(eager_model, amp_lists=BF16)
+    graphamp.rewrite(model, amp_lists=bf16, compile=True)
+    graphamp.rewrite(eager_model, amp_lists=bf16)
     with torch.no_grad():
         logits = [amp(**batch).logits for amp in (model, eager_model)]
     attention = _attention(model)
@@ -165,14 +164,14 @@ class GroupedAttentionThenVmap(nn.Module):
 
 
 @pytest.mark.parametrize("compile", [False, True], ids=["fx", "inductor"])
-def test_grouping_heads_keeps_a_vmap_in_the_same_graph(compile):
+def test_grouping_heads_keeps_a_vmap_in_the_same_graph(bf16, compile):
     """The pass removes the repeats it replaced and nothing else: vmap's nesting calls have no users but must run
     (Jamba's and Mamba's scans vmap in the graph of their attention layers)."""
     torch.manual_seed(0)
     model, x = GroupedAttentionThenVmap(), torch.randn(2, 6, 32)
     with torch.no_grad():  # on a CPU, an attention without gradients groups its heads
         want = model(x)
-        graphamp.rewrite(model, (x,), amp_lists=BF16, compile=compile)
+        graphamp.rewrite(model, (x,), amp_lists=bf16, compile=compile)
         got = model(x)
     attention = _attention(model)
     assert attention and all(n.kwargs.get("enable_gqa") for n in attention)
@@ -200,10 +199,10 @@ class DrawsNoise(nn.Module):
 
 @pytest.mark.parametrize("module", [WritesIntoAFreshTensor, ReturnsAnInputFreeValue, DrawsNoise],
                          ids=lambda m: m.__name__)
-def test_values_a_call_makes_without_its_inputs_are_made_every_call(rewritten, module):
+def test_values_a_call_makes_without_its_inputs_are_made_every_call(bf16, rewritten, module):
     torch.manual_seed(0)
     x = torch.randn(3)
-    amp = rewritten.convert(module(), (x,), amp_lists=BF16)
+    amp = rewritten.convert(module(), (x,), amp_lists=bf16)
     for seed in (1, 2):
         torch.manual_seed(seed)
         expected = module()(x)

@@ -19,7 +19,6 @@ from graphamp.passes.marks import mark_of
 from conftest import FrontEnd
 from training import loss_of, relative_error
 
-BF16 = AutoMixedPrecisionLists(dtype="bfloat16")
 CAST = torch.ops.aten._to_copy.default
 
 
@@ -83,7 +82,7 @@ CASES = {"bert": _bert_case, "gpt2": _gpt2_case, "llama": _llama_case}
 
 
 @pytest.fixture(scope="module")
-def converted_case():
+def converted_case(bf16):
     """converted_case(name, front_end) -> (Converted, an FP32 copy made before converting, the batch), built once
     per module for each (name, front end)."""
     built = {}
@@ -97,7 +96,7 @@ def converted_case():
             torch.manual_seed(0)
             model, batch = CASES[name]()
             reference = copy.deepcopy(model)
-            built[name, front_end] = (FrontEnd(front_end).convert(model, (), batch, amp_lists=BF16), reference, batch)
+            built[name, front_end] = (FrontEnd(front_end).convert(model, (), batch, amp_lists=bf16), reference, batch)
         return built[name, front_end]
 
     return get
@@ -105,9 +104,9 @@ def converted_case():
 
 # -- white, black, gray --------------------------------------------------------------------------------------------
 
-def test_white_op_runs_in_the_low_dtype_forward_and_backward(rewritten):
+def test_white_op_runs_in_the_low_dtype_forward_and_backward(bf16, rewritten):
     x = torch.randn(2, 8, requires_grad=True)
-    amp = rewritten.convert(nn.Linear(8, 4), (x,), amp_lists=BF16)
+    amp = rewritten.convert(nn.Linear(8, 4), (x,), amp_lists=bf16)
     with amp.recording() as rec:
         amp.run(x).sum().backward()
     gemms = rec.calls_of("addmm", "mm")
@@ -115,8 +114,8 @@ def test_white_op_runs_in_the_low_dtype_forward_and_backward(rewritten):
     assert all(floating(call.in_dtypes) == {torch.bfloat16} for call in gemms)
 
 
-def test_black_op_runs_in_fp32_on_low_inputs(rewritten):
-    amp = rewritten.convert(LinearThen(lambda h: torch.log_softmax(h, -1)), (torch.randn(2, 8),), amp_lists=BF16)
+def test_black_op_runs_in_fp32_on_low_inputs(bf16, rewritten):
+    amp = rewritten.convert(LinearThen(lambda h: torch.log_softmax(h, -1)), (torch.randn(2, 8),), amp_lists=bf16)
     with amp.recording() as rec:
         amp.run(torch.randn(2, 8)).sum().backward()
     (softmax,) = rec.calls_of("_log_softmax")
@@ -124,16 +123,16 @@ def test_black_op_runs_in_fp32_on_low_inputs(rewritten):
     assert floating(rec.calls_of("_log_softmax_backward_data")[0].in_dtypes) == {torch.float32}
 
 
-def test_gray_op_follows_low_inputs(rewritten):
-    amp = rewritten.convert(LinearThen(torch.relu), (torch.randn(2, 8),), amp_lists=BF16)
+def test_gray_op_follows_low_inputs(bf16, rewritten):
+    amp = rewritten.convert(LinearThen(torch.relu), (torch.randn(2, 8),), amp_lists=bf16)
     with amp.recording() as rec:
         out = amp.run(torch.randn(2, 8))
     assert rec.calls_of("relu")[0].out_dtypes == (torch.bfloat16,)
     assert out.dtype == torch.float32  # returned as the FP32 model returns it
 
 
-def test_gray_op_with_an_fp32_input_runs_in_fp32(rewritten):
-    amp = rewritten.convert(LinearThen(torch.add), (torch.randn(2, 8), torch.randn(2, 8)), amp_lists=BF16)
+def test_gray_op_with_an_fp32_input_runs_in_fp32(bf16, rewritten):
+    amp = rewritten.convert(LinearThen(torch.add), (torch.randn(2, 8), torch.randn(2, 8)), amp_lists=bf16)
     with amp.recording() as rec:
         amp.run(torch.randn(2, 8), torch.randn(2, 8))
     (add,) = rec.calls_of("add")
@@ -142,9 +141,9 @@ def test_gray_op_with_an_fp32_input_runs_in_fp32(rewritten):
     assert not [n for n in node.all_input_nodes if n.target == CAST]  # torch promotes inside the kernel
 
 
-def test_gray_op_that_does_not_promote_gets_its_low_inputs_cast_up(rewritten):
+def test_gray_op_that_does_not_promote_gets_its_low_inputs_cast_up(bf16, rewritten):
     model = LinearThen(lambda h, other: torch.dot(h.flatten(), other.flatten()))
-    amp = rewritten.convert(model, (torch.randn(2, 8), torch.randn(2, 8)), amp_lists=BF16)
+    amp = rewritten.convert(model, (torch.randn(2, 8), torch.randn(2, 8)), amp_lists=bf16)
     (dot,) = nodes_of(amp.graph_module, torch.ops.aten.dot.default)
     assert [n.meta["val"].dtype for n in dot.args] == [torch.float32, torch.float32]
     with amp.recording() as rec:
@@ -152,16 +151,16 @@ def test_gray_op_that_does_not_promote_gets_its_low_inputs_cast_up(rewritten):
     assert rec.calls_of("dot")[0].in_dtypes == (torch.float32, torch.float32)
 
 
-def test_gray_op_that_promotes_natively_gets_no_cast(rewritten):
+def test_gray_op_that_promotes_natively_gets_no_cast(bf16, rewritten):
     model = LinearThen(lambda h, other: torch.cat([h, other], dim=0))
-    graph_module, _ = rewritten(model, (torch.randn(2, 8), torch.randn(2, 8)), amp_lists=BF16)
+    graph_module, _ = rewritten(model, (torch.randn(2, 8), torch.randn(2, 8)), amp_lists=bf16)
     (cat,) = nodes_of(graph_module, torch.ops.aten.cat.default)
     assert [n.meta["val"].dtype for n in cat.args[0]] == [torch.bfloat16, torch.float32]
     assert cat.meta["val"].dtype == torch.float32
 
 
-def test_unlisted_op_is_treated_as_gray_and_reported(rewritten):
-    amp = rewritten.convert(models.CustomOpModel(), (torch.randn(4, 8),), amp_lists=BF16)
+def test_unlisted_op_is_treated_as_gray_and_reported(bf16, rewritten):
+    amp = rewritten.convert(models.CustomOpModel(), (torch.randn(4, 8),), amp_lists=bf16)
     assert amp.report.unlisted_ops == Counter({"graphamp_test::scaled_tanh": 1})
     assert "graphamp_test::scaled_tanh x1" in str(amp.report)
     with amp.recording() as rec:
@@ -178,7 +177,7 @@ def test_custom_op_on_the_black_list_runs_in_fp32(rewritten):
     assert not amp.report.unlisted_ops
 
 
-def test_integer_and_bool_tensors_are_never_cast(rewritten):
+def test_integer_and_bool_tensors_are_never_cast(bf16, rewritten):
     class Masked(nn.Module):
         def __init__(self):
             super().__init__()
@@ -189,7 +188,7 @@ def test_integer_and_bool_tensors_are_never_cast(rewritten):
             return self.fc(self.embed(tokens)).masked_fill(mask.unsqueeze(-1), 0.0)
 
     tokens, mask = torch.randint(0, 10, (2, 5)), torch.rand(2, 5) > 0.5
-    amp = rewritten.convert(Masked(), (tokens, mask), amp_lists=BF16)
+    amp = rewritten.convert(Masked(), (tokens, mask), amp_lists=bf16)
     casts = inserted_casts(amp.graph_module)
     assert casts and all(cast.args[0].meta["val"].dtype.is_floating_point for cast in casts)
     with amp.recording() as rec:
@@ -209,9 +208,9 @@ class GatedByANoGradRegion(nn.Module):
         return self.fc(x) * scale
 
 
-def test_a_value_leaving_a_no_grad_region_has_the_dtype_it_runs_in(rewritten):
+def test_a_value_leaving_a_no_grad_region_has_the_dtype_it_runs_in(bf16, rewritten):
     x = torch.randn(4, 8)
-    amp = rewritten.convert(GatedByANoGradRegion(), (x,), amp_lists=BF16)
+    amp = rewritten.convert(GatedByANoGradRegion(), (x,), amp_lists=bf16)
     (mul,) = nodes_of(amp.graph_module, torch.ops.aten.mul.Tensor)
     with amp.recording() as rec:
         amp.run(x)
@@ -223,7 +222,7 @@ def test_a_value_leaving_a_no_grad_region_has_the_dtype_it_runs_in(rewritten):
 
 # -- the model's own casts -----------------------------------------------------------------------------------------
 
-def test_casts_the_model_writes_are_kept(rewritten):
+def test_casts_the_model_writes_are_kept(bf16, rewritten):
     class WritesCasts(nn.Module):
         def __init__(self):
             super().__init__()
@@ -232,28 +231,28 @@ def test_casts_the_model_writes_are_kept(rewritten):
         def forward(self, x):
             return self.fc(x).float() * 2 + self.fc(x).to(torch.float32)
 
-    graph_module, _ = rewritten(WritesCasts(), (torch.randn(2, 8),), amp_lists=BF16)
+    graph_module, _ = rewritten(WritesCasts(), (torch.randn(2, 8),), amp_lists=bf16)
     decisions = Counter(getattr(mark_of(n), "decision", None) for n in graph_module.graph.nodes)
     assert decisions["explicit-cast"] == 2
     assert nodes_of(graph_module, torch.ops.aten.to.dtype)
 
 
-def test_explicit_dtype_argument_is_kept(rewritten):
+def test_explicit_dtype_argument_is_kept(bf16, rewritten):
     model = LinearThen(lambda h: torch.softmax(h, -1, dtype=torch.float32))
-    graph_module, _ = rewritten(model, (torch.randn(2, 8),), amp_lists=BF16)
+    graph_module, _ = rewritten(model, (torch.randn(2, 8),), amp_lists=bf16)
     (softmax,) = nodes_of(graph_module, torch.ops.aten.softmax.int)
     assert mark_of(softmax).decision == "explicit-cast"
     assert softmax.args[0].meta["val"].dtype == torch.bfloat16  # not cast up by graphamp: the op converts
     assert softmax.args[2] == torch.float32
 
 
-def test_a_black_op_on_the_models_own_low_value_computes_fp32_and_returns_the_models_dtype(rewritten):
+def test_a_black_op_on_the_models_own_low_value_computes_fp32_and_returns_the_models_dtype(bf16, rewritten):
     class SumsItsOwnLowValue(nn.Module):
         def forward(self, x):
             return x.bfloat16().sum(-1)
 
     x = torch.randn(4, 8)
-    amp = rewritten.convert(SumsItsOwnLowValue(), (x,), amp_lists=BF16)
+    amp = rewritten.convert(SumsItsOwnLowValue(), (x,), amp_lists=bf16)
     (total,) = nodes_of(amp.graph_module, torch.ops.aten.sum.dim_IntList)
     assert total.meta["val"].dtype == torch.float32  # accumulates in FP32 through its dtype argument
     with amp.recording() as rec:
@@ -263,9 +262,9 @@ def test_a_black_op_on_the_models_own_low_value_computes_fp32_and_returns_the_mo
     torch.testing.assert_close(out, x.bfloat16().float().sum(-1).bfloat16())
 
 
-def test_a_returned_value_the_model_also_casts_to_float32_is_cast_up_once(rewritten):
+def test_a_returned_value_the_model_also_casts_to_float32_is_cast_up_once(bf16, rewritten):
     model, x, labels = models.LossOfCastLogits(), torch.randn(4, 8), torch.randint(0, 6, (4,))
-    amp = rewritten.convert(model, (x, labels), amp_lists=BF16)
+    amp = rewritten.convert(model, (x, labels), amp_lists=bf16)
 
     up = [n for n in amp.graph_module.graph.nodes if n.target in (torch.ops.aten.to.dtype, CAST)
           and n.meta["val"].dtype == torch.float32 and n.meta["val"].shape == (4, 6)]
@@ -273,7 +272,7 @@ def test_a_returned_value_the_model_also_casts_to_float32_is_cast_up_once(rewrit
     assert amp.run(x, labels)[1].dtype == torch.float32
 
 
-def test_a_value_and_its_reshapes_share_one_cast(rewritten):
+def test_a_value_and_its_reshapes_share_one_cast(bf16, rewritten):
     """Logits come back FP32 and the loss reads them flattened in FP32: one copy serves both."""
 
     class Classifier(nn.Module):
@@ -288,7 +287,7 @@ def test_a_value_and_its_reshapes_share_one_cast(rewritten):
     model, x, labels = Classifier(), torch.randn(2, 3, 8), torch.randint(0, 6, (2, 3))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         expected_loss, expected_logits = model(x, labels)
-    amp = rewritten.convert(model, (x, labels), amp_lists=BF16)
+    amp = rewritten.convert(model, (x, labels), amp_lists=bf16)
 
     up_casts = [c for c in inserted_casts(amp.graph_module) if c.kwargs["dtype"] == torch.float32]
     assert len(up_casts) == 1
@@ -315,7 +314,7 @@ def test_cast_of_an_inserted_cast_is_folded_into_it(rewritten):
     assert exp.args[0].op == "placeholder"  # the FP32 master weight itself, not bf16 -> fp32
 
 
-def test_in_place_write_makes_an_earlier_cast_stale(rewritten):
+def test_in_place_write_makes_an_earlier_cast_stale(bf16, rewritten):
     class WritesInPlace(nn.Module):
         def __init__(self):
             super().__init__()
@@ -329,13 +328,13 @@ def test_in_place_write_makes_an_earlier_cast_stale(rewritten):
 
     model, x = WritesInPlace(), torch.randn(4, 8)
     expected = model(x)
-    amp = rewritten.convert(model, (x,), amp_lists=BF16)
+    amp = rewritten.convert(model, (x,), amp_lists=bf16)
     torch.testing.assert_close(amp.run(x), expected, rtol=2e-2, atol=2e-2)
 
 
 # -- outputs and gradients -------------------------------------------------------------------------------------------
 
-def test_outputs_come_back_in_the_dtype_the_fp32_model_returns(rewritten):
+def test_outputs_come_back_in_the_dtype_the_fp32_model_returns(bf16, rewritten):
     class Both(nn.Module):
         def __init__(self):
             super().__init__()
@@ -345,16 +344,16 @@ def test_outputs_come_back_in_the_dtype_the_fp32_model_returns(rewritten):
             h = self.fc(x)
             return h, h.bfloat16()  # the second is the model's own low value
 
-    amp = rewritten.convert(Both(), (torch.randn(2, 8),), amp_lists=BF16)
+    amp = rewritten.convert(Both(), (torch.randn(2, 8),), amp_lists=bf16)
     with amp.recording() as rec:
         fp32, low = amp.run(torch.randn(2, 8))
     assert floating(rec.calls_of("addmm")[0].out_dtypes) == {torch.bfloat16}
     assert (fp32.dtype, low.dtype) == (torch.float32, torch.bfloat16)
 
 
-def test_gradients_of_a_white_op_reach_fp32_master_weights(rewritten):
+def test_gradients_of_a_white_op_reach_fp32_master_weights(bf16, rewritten):
     model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 2))
-    amp = rewritten.convert(model, (torch.randn(4, 8),), amp_lists=BF16)
+    amp = rewritten.convert(model, (torch.randn(4, 8),), amp_lists=bf16)
     amp.run(torch.randn(4, 8)).sum().backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
 
@@ -404,13 +403,13 @@ class ExecutedValues(torch.fx.Interpreter):
         return value
 
 
-def _executed_values_of_the_rewritten_graph(front_end):
+def _executed_values_of_the_rewritten_graph(front_end, amp_lists):
     """gpt2's rewritten graph run on its real inputs: the exported program's own, or, on the compile side, those
     dynamo hands graphamp's backend (rewrite() uses the same backend; its inputs are not reachable from outside)."""
     torch.manual_seed(0)
     model, batch = _gpt2_case()
     if front_end == "export":
-        program = graphamp.export_program(model, (), batch, amp_lists=BF16)
+        program = graphamp.export_program(model, (), batch, amp_lists=amp_lists)
         user = iter(pytree.tree_leaves(((), batch)))
         values = {**program.state_dict, **program.constants}
         inputs = [values[spec.target] if spec.kind.name != "USER_INPUT" else next(user)
@@ -418,7 +417,7 @@ def _executed_values_of_the_rewritten_graph(front_end):
         interpreter = ExecutedValues(program.graph_module)
         interpreter.run(*inputs)
         return interpreter.executed
-    amp_backend, executed = graphamp.backend(BF16, inductor=False), {}
+    amp_backend, executed = graphamp.backend(amp_lists, inductor=False), {}
 
     def compile_and_run_node_by_node(gm, example_inputs):
         compiled = amp_backend(gm, example_inputs)
@@ -432,8 +431,8 @@ def _executed_values_of_the_rewritten_graph(front_end):
 
 
 @pytest.mark.parametrize("front_end", ["compile", "export"])
-def test_node_meta_val_matches_what_executes(front_end):
-    executed = _executed_values_of_the_rewritten_graph(front_end)
+def test_node_meta_val_matches_what_executes(bf16, front_end):
+    executed = _executed_values_of_the_rewritten_graph(front_end, bf16)
     for node, dtype_and_shape in executed.items():
         assert dtype_and_shape == (node.meta["val"].dtype, tuple(node.meta["val"].shape)), node
     assert len(executed) > 100
@@ -455,14 +454,14 @@ def test_casts_executed_are_no_more_than_torch_autocast(converted_case, front_en
         assert graphamp_run.casts < autocast_run.casts
 
 
-def test_casts_executed_by_a_cnn_are_no_more_than_torch_autocast(rewritten, seeded):
+def test_casts_executed_by_a_cnn_are_no_more_than_torch_autocast(bf16, rewritten, seeded):
     model, x = models.SmallResNet(), torch.randn(8, 1, 8, 8)
     reference = copy.deepcopy(model)
     with DtypeRecorder() as autocast_run:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = loss_of(reference(x))
         loss.backward()
-    amp = rewritten.convert(model, (x,), amp_lists=BF16)
+    amp = rewritten.convert(model, (x,), amp_lists=bf16)
     with amp.recording() as graphamp_run:
         loss_of(amp.run(x)).backward()
     # loss_of's `pow` saves its input for backward: autocast's float32 copy, or a rewritten model's low output, which
@@ -514,13 +513,13 @@ def test_both_front_ends_give_the_same_loss_and_gradients(converted_case, name):
         assert relative_error(gradient, gradients["export"][name_]) < 2e-2, name_
 
 
-def test_a_rewritten_model_exports_the_same_program_as_its_fp32_self(recwarn):
+def test_a_rewritten_model_exports_the_same_program_as_its_fp32_self(bf16, recwarn):
     """Train with rewrite(), deploy with export_program(): the program is the one the FP32 model gives."""
     model, x = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 2)), torch.randn(4, 8)
-    before = graphamp.export_program(model, (x,), amp_lists=BF16)
-    graphamp.rewrite(model, (x,), amp_lists=BF16)
+    before = graphamp.export_program(model, (x,), amp_lists=bf16)
+    graphamp.rewrite(model, (x,), amp_lists=bf16)
 
-    after = graphamp.export_program(model, (x,), amp_lists=BF16)
+    after = graphamp.export_program(model, (x,), amp_lists=bf16)
 
     assert after.graph_module.code == before.graph_module.code
     assert floating_decisions(after.graph_module) == floating_decisions(before.graph_module)
@@ -555,9 +554,9 @@ def test_black_module_glob_pattern_matches_every_layer(rewritten):
     assert all(mark_of(n).decision == "white" for n in linears if n not in in_attention)
 
 
-def test_batch_norm_runs_low_with_fp32_parameters_and_statistics(rewritten):
+def test_batch_norm_runs_low_with_fp32_parameters_and_statistics(bf16, rewritten):
     model = models.SmallResNet()
-    amp = rewritten.convert(model, (torch.randn(4, 1, 8, 8),), amp_lists=BF16)
+    amp = rewritten.convert(model, (torch.randn(4, 1, 8, 8),), amp_lists=bf16)
     with amp.recording() as rec:
         amp.run(torch.randn(4, 1, 8, 8)).sum().backward()
     batch_norm = rec.calls_of("native_batch_norm", "_native_batch_norm_legit")[0]
@@ -566,10 +565,10 @@ def test_batch_norm_runs_low_with_fp32_parameters_and_statistics(rewritten):
     assert not [path for path in state_placeholders_cast(amp) if path.startswith("stem.1.")]
 
 
-def test_level_o2_runs_gray_ops_low_and_keeps_norm_parameters_fp32(rewritten):
+def test_level_o2_runs_gray_ops_low_and_keeps_norm_parameters_fp32(bf16, rewritten):
     model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2))
     x = torch.randn(4, 8)
-    o2 = rewritten.convert(model, (x,), amp_lists=BF16, level="O2")
+    o2 = rewritten.convert(model, (x,), amp_lists=bf16, level="O2")
     with o2.recording() as rec:
         o2.run(x)
     assert floating(rec.calls_of("addmm")[1].in_dtypes) == {torch.bfloat16}
@@ -581,26 +580,26 @@ def test_level_o2_runs_gray_ops_low_and_keeps_norm_parameters_fp32(rewritten):
     assert not {"1.weight", "1.bias"} & set(cast)  # LayerNorm's weight and bias
 
 
-def test_level_o2_casts_gray_op_fp32_inputs_down(rewritten):
-    o2 = rewritten.convert(LinearThen(torch.add), (torch.randn(2, 8), torch.randn(2, 8)), amp_lists=BF16, level="O2")
+def test_level_o2_casts_gray_op_fp32_inputs_down(bf16, rewritten):
+    o2 = rewritten.convert(LinearThen(torch.add), (torch.randn(2, 8), torch.randn(2, 8)), amp_lists=bf16, level="O2")
     with o2.recording() as rec:
         out = o2.run(torch.randn(2, 8), torch.randn(2, 8))
     assert floating(rec.calls_of("add")[0].in_dtypes) == {torch.bfloat16}
     assert out.dtype == torch.float32  # returned as the FP32 model returns it
 
 
-def test_unknown_level_is_rejected(rewritten):
+def test_unknown_level_is_rejected(bf16, rewritten):
     with pytest.raises(graphamp.ArgumentError, match="level='O3'"):
-        rewritten(nn.Linear(2, 2), (torch.randn(1, 2),), amp_lists=BF16, level="O3")
+        rewritten(nn.Linear(2, 2), (torch.randn(1, 2),), amp_lists=bf16, level="O3")
 
 
-def test_float16_lists_keep_exp_fp32_and_bfloat16_lets_it_follow(rewritten):
+def test_float16_lists_keep_exp_fp32_and_bfloat16_lets_it_follow(bf16, rewritten):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # float16 on CPU is slow, and said so
         fp16, _ = rewritten(
             LinearThen(torch.exp), (torch.randn(2, 8),), amp_lists=AutoMixedPrecisionLists(dtype="float16")
         )
-    bf16, _ = rewritten(LinearThen(torch.exp), (torch.randn(2, 8),), amp_lists=BF16)
+    bf16, _ = rewritten(LinearThen(torch.exp), (torch.randn(2, 8),), amp_lists=bf16)
     (exp16,) = nodes_of(fp16, torch.ops.aten.exp.default)
     (exp_bf,) = nodes_of(bf16, torch.ops.aten.exp.default)
     assert exp16.meta["val"].dtype == torch.float32

@@ -25,7 +25,6 @@ pytestmark = pytest.mark.usefixtures("seeded")
 
 aten = torch.ops.aten
 CAST = aten._to_copy.default
-BF16 = AutoMixedPrecisionLists(dtype="bfloat16")
 # What a bfloat16 GEMM of a few dozen products keeps of the FP32 result (8 bits of mantissa).
 BF16_TOLERANCE = {"rtol": 2e-2, "atol": 2e-2}
 
@@ -37,11 +36,17 @@ def traced(fn, *example_inputs):
     return make_fx(fn, pre_dispatch=True, tracing_mode="fake")(*example_inputs)
 
 
-def rewritten(fn, *inputs, lists=BF16, level="O1", parameters=frozenset(), outputs_stay_low=False):
-    """`fn` traced and rewritten by the cast pass: (graph_module, report)."""
-    graph_module = traced(fn, *inputs)
-    report = insert_casts(graph_module, AmpConfig(lists, level), parameters, outputs_stay_low)
-    return graph_module, report
+@pytest.fixture
+def cast_pass(bf16):
+    """`cast_pass(fn, *inputs)`: `fn` traced and rewritten by the cast pass (the bfloat16 lists unless `lists=` says
+    otherwise): (graph_module, report)."""
+
+    def rewrite(fn, *inputs, lists=bf16, level="O1", parameters=frozenset(), outputs_stay_low=False):
+        graph_module = traced(fn, *inputs)
+        report = insert_casts(graph_module, AmpConfig(lists, level), parameters, outputs_stay_low)
+        return graph_module, report
+
+    return rewrite
 
 
 def traced_module(module, *inputs):
@@ -115,9 +120,9 @@ def test_make_fx_keeps_composite_ops_whole_with_a_meta_val_on_every_node():
 
 # -- white, black, gray, unlisted ------------------------------------------------------------------------------------
 
-def test_white_op_runs_low_on_its_inputs_cast_down():
+def test_white_op_runs_low_on_its_inputs_cast_down(cast_pass):
     x, w, b = torch.randn(4, 8), torch.randn(6, 8), torch.randn(6)
-    graph_module, _ = rewritten(lambda x, w, b: F.linear(x, w, b), x, w, b)
+    graph_module, _ = cast_pass(lambda x, w, b: F.linear(x, w, b), x, w, b)
     (linear,) = nodes_of(graph_module, aten.linear.default)
     assert [n.target for n in linear.args] == [CAST] * 3
     assert [n.args[0] for n in linear.args] == placeholders(graph_module)
@@ -128,10 +133,10 @@ def test_white_op_runs_low_on_its_inputs_cast_down():
     torch.testing.assert_close(out, under_autocast(F.linear, x, w, b).float())
 
 
-def test_black_op_runs_fp32_on_its_low_input_cast_up():
+def test_black_op_runs_fp32_on_its_low_input_cast_up(cast_pass):
     x, w = x_and_w()
     fn = linear_then(lambda h: torch.logsumexp(h, -1))
-    graph_module, _ = rewritten(fn, x, w)
+    graph_module, _ = cast_pass(fn, x, w)
     (logsumexp,) = nodes_of(graph_module, aten.logsumexp.default)
     (linear,) = nodes_of(graph_module, aten.linear.default)
     assert logsumexp.args[0] in casts_of(graph_module, linear)
@@ -141,10 +146,10 @@ def test_black_op_runs_fp32_on_its_low_input_cast_up():
     torch.testing.assert_close(out, under_autocast(fn, x, w).float(), **BF16_TOLERANCE)
 
 
-def test_black_op_with_a_dtype_argument_computes_fp32_through_it_instead_of_a_cast():
+def test_black_op_with_a_dtype_argument_computes_fp32_through_it_instead_of_a_cast(cast_pass):
     x, w = x_and_w()
     fn = linear_then(lambda h: torch.log_softmax(h, -1))
-    graph_module, _ = rewritten(fn, x, w)
+    graph_module, _ = cast_pass(fn, x, w)
     (log_softmax,) = nodes_of(graph_module, aten.log_softmax.int)
     (linear,) = nodes_of(graph_module, aten.linear.default)
     assert log_softmax.args[0] is linear and not casts_of(graph_module, linear)
@@ -154,14 +159,14 @@ def test_black_op_with_a_dtype_argument_computes_fp32_through_it_instead_of_a_ca
     torch.testing.assert_close(out, fn(x, w), **BF16_TOLERANCE)
 
 
-def test_softmax_feeding_only_a_white_op_reads_its_low_input_as_it_is():
+def test_softmax_feeding_only_a_white_op_reads_its_low_input_as_it_is(cast_pass):
     """The kernel accumulates in FP32 inside; its low output is what the next GEMM would read after a cast anyway."""
     q, k, v = torch.randn(2, 4, 8), torch.randn(2, 4, 8), torch.randn(2, 4, 8)
 
     def attention(q, k, v):
         return torch.softmax(q @ k.transpose(-1, -2), -1) @ v
 
-    graph_module, _ = rewritten(attention, q, k, v)
+    graph_module, _ = cast_pass(attention, q, k, v)
     (softmax,) = nodes_of(graph_module, aten.softmax.int)
     assert softmax.args[0].target is aten.matmul.default
     assert dtype_of(softmax) == torch.bfloat16 and "dtype" not in softmax.kwargs
@@ -170,19 +175,19 @@ def test_softmax_feeding_only_a_white_op_reads_its_low_input_as_it_is():
     torch.testing.assert_close(out, attention(q, k, v), **BF16_TOLERANCE)
 
 
-def test_exp_is_black_under_float16_lists_and_gray_under_bfloat16_lists():
+def test_exp_is_black_under_float16_lists_and_gray_under_bfloat16_lists(cast_pass, fp16):
     x, w = x_and_w()
     fn = linear_then(torch.exp)
-    in_float16, _ = rewritten(fn, x, w, lists=AutoMixedPrecisionLists(dtype="float16"))
-    in_bfloat16, _ = rewritten(fn, x, w)
+    in_float16, _ = cast_pass(fn, x, w, lists=fp16)
+    in_bfloat16, _ = cast_pass(fn, x, w)
     (exp16,), (exp_bf16,) = nodes_of(in_float16, aten.exp.default), nodes_of(in_bfloat16, aten.exp.default)
     assert exp16.args[0].target is CAST and dtype_of(exp16) == torch.float32
     assert exp_bf16.args[0].target is aten.linear.default and dtype_of(exp_bf16) == torch.bfloat16
 
 
-def test_gray_op_follows_its_all_low_inputs():
+def test_gray_op_follows_its_all_low_inputs(cast_pass):
     x, w = x_and_w()
-    graph_module, report = rewritten(linear_then(torch.relu), x, w)
+    graph_module, report = cast_pass(linear_then(torch.relu), x, w)
     (relu,) = nodes_of(graph_module, aten.relu.default)
     assert relu.args[0].target is aten.linear.default and dtype_of(relu) == torch.bfloat16
     assert report.decisions["gray"] == 1
@@ -190,11 +195,11 @@ def test_gray_op_follows_its_all_low_inputs():
     assert recorder.calls_of("relu")[0].out_dtypes == (torch.bfloat16,)
 
 
-def test_gray_op_with_an_fp32_input_runs_fp32():
+def test_gray_op_with_an_fp32_input_runs_fp32(cast_pass):
     x, w = x_and_w()
     y = torch.randn(4, 6)
     fn = linear_then(lambda h, y: torch.lerp(h, y, 0.5))  # lerp wants one dtype: no promotion inside
-    graph_module, _ = rewritten(fn, x, w, y)
+    graph_module, _ = cast_pass(fn, x, w, y)
     (lerp,) = nodes_of(graph_module, aten.lerp.Scalar)
     (linear,) = nodes_of(graph_module, aten.linear.default)
     assert lerp.args[0] in casts_of(graph_module, linear) and lerp.args[0].kwargs["dtype"] == torch.float32
@@ -204,10 +209,10 @@ def test_gray_op_with_an_fp32_input_runs_fp32():
     torch.testing.assert_close(out, fn(x, w, y), **BF16_TOLERANCE)  # autocast refuses lerp's mixed dtypes
 
 
-def test_gray_op_whose_type_promotion_computes_fp32_gets_no_cast():
+def test_gray_op_whose_type_promotion_computes_fp32_gets_no_cast(cast_pass):
     x, w = x_and_w()
     y = torch.randn(4, 6)
-    graph_module, _ = rewritten(linear_then(torch.add), x, w, y)
+    graph_module, _ = cast_pass(linear_then(torch.add), x, w, y)
     (add,) = nodes_of(graph_module, aten.add.Tensor)
     assert add.args == (nodes_of(graph_module, aten.linear.default)[0], placeholders(graph_module)[2])
     assert dtype_of(add) == torch.float32 and len(casts_of(graph_module)) == 2  # x and w, down
@@ -216,25 +221,25 @@ def test_gray_op_whose_type_promotion_computes_fp32_gets_no_cast():
     assert recorder.calls_of("add")[0].out_dtypes == (torch.float32,)
 
 
-def test_unlisted_op_acts_gray_and_is_reported():
+def test_unlisted_op_acts_gray_and_is_reported(cast_pass):
     x, w = x_and_w()
-    graph_module, report = rewritten(linear_then(torch.atan), x, w)
+    graph_module, report = cast_pass(linear_then(torch.atan), x, w)
     (atan,) = nodes_of(graph_module, aten.atan.default)
     assert atan.args[0].target is aten.linear.default and dtype_of(atan) == torch.bfloat16
     assert report.unlisted_ops == Counter({"atan": 1}) and report.decisions["unlisted"] == 1
 
 
-def test_custom_white_list_runs_a_gray_op_low():
+def test_custom_white_list_runs_a_gray_op_low(cast_pass):
     lists = AutoMixedPrecisionLists(dtype="bfloat16", custom_white_list=["relu"])
-    graph_module, report = rewritten(torch.relu, torch.randn(4, 8), lists=lists)
+    graph_module, report = cast_pass(torch.relu, torch.randn(4, 8), lists=lists)
     (relu,) = nodes_of(graph_module, aten.relu.default)
     assert relu.args[0].target is CAST and dtype_of(relu) == torch.bfloat16
     assert report.decisions == Counter({"white": 1})
 
 
-def test_custom_black_list_runs_a_gray_op_fp32_on_low_inputs():
+def test_custom_black_list_runs_a_gray_op_fp32_on_low_inputs(cast_pass):
     lists = AutoMixedPrecisionLists(dtype="bfloat16", custom_black_list=["relu"])
-    graph_module, report = rewritten(linear_then(torch.relu), *x_and_w(), lists=lists)
+    graph_module, report = cast_pass(linear_then(torch.relu), *x_and_w(), lists=lists)
     (relu,) = nodes_of(graph_module, aten.relu.default)
     assert relu.args[0].target is CAST and relu.args[0].kwargs["dtype"] == dtype_of(relu) == torch.float32
     assert report.decisions == Counter({"white": 1, "black": 1})
@@ -242,14 +247,14 @@ def test_custom_black_list_runs_a_gray_op_fp32_on_low_inputs():
 
 # -- casts: shared, folded, remade, made stale -----------------------------------------------------------------------
 
-def test_one_cast_per_value_and_dtype_serves_every_reader():
+def test_one_cast_per_value_and_dtype_serves_every_reader(cast_pass):
     x, w1, w2 = torch.randn(4, 8), torch.randn(6, 8), torch.randn(6, 8)
-    graph_module, _ = rewritten(lambda x, w1, w2: F.linear(x, w1) * F.linear(x, w2), x, w1, w2)
+    graph_module, _ = cast_pass(lambda x, w1, w2: F.linear(x, w1) * F.linear(x, w2), x, w1, w2)
     (cast_of_x,) = casts_of(graph_module, placeholders(graph_module)[0])
     assert [linear.args[0] for linear in nodes_of(graph_module, aten.linear.default)] == [cast_of_x, cast_of_x]
 
 
-def test_a_cast_of_an_inserted_cast_folds_back_to_its_source():
+def test_a_cast_of_an_inserted_cast_folds_back_to_its_source(cast_pass):
     """O2 casts src down for index_copy_; the kernel wants the dtype of the FP32 buffer it writes, so src goes back
     up: to src itself, not to a cast of its cast."""
     buffer, index, src = torch.randn(5, 8), torch.tensor([0, 2]), torch.randn(2, 8)
@@ -257,40 +262,40 @@ def test_a_cast_of_an_inserted_cast_folds_back_to_its_source():
     def copy_into(buffer, index, src):
         return buffer.index_copy_(0, index, src)
 
-    graph_module, _ = rewritten(copy_into, buffer, index, src, level="O2")
+    graph_module, _ = cast_pass(copy_into, buffer, index, src, level="O2")
     (index_copy,) = nodes_of(graph_module, aten.index_copy_.default)
     assert index_copy.args[3] is placeholders(graph_module)[2]
     assert all(cast.args[0].target is not CAST for cast in casts_of(graph_module))
 
 
-def test_no_inserted_cast_is_left_without_a_reader():
+def test_no_inserted_cast_is_left_without_a_reader(cast_pass):
     def copy_into(buffer, index, src):
         return buffer.index_copy_(0, index, src)
 
-    graph_module, report = rewritten(copy_into, torch.randn(5, 8), torch.tensor([0, 2]), torch.randn(2, 8), level="O2")
+    graph_module, report = cast_pass(copy_into, torch.randn(5, 8), torch.tensor([0, 2]), torch.randn(2, 8), level="O2")
     assert all(cast.users for cast in casts_of(graph_module))
     assert report.casts_inserted == len(casts_of(graph_module))
 
 
-def test_a_down_cast_of_the_front_ends_upcast_of_a_low_input_is_the_low_input_itself():
+def test_a_down_cast_of_the_front_ends_upcast_of_a_low_input_is_the_low_input_itself(bf16):
     def upcast_then_linear(x_low, w):
         x = aten._to_copy.default(x_low, dtype=torch.float32)  # as graphamp's lowering traces a low input's upcast
         return F.linear(x, w)
 
     graph_module = traced(upcast_then_linear, torch.randn(4, 8).bfloat16(), torch.randn(6, 8))
     casts_of(graph_module)[0].meta[INPUT_UPCAST] = True
-    insert_casts(graph_module, AmpConfig(BF16))
+    insert_casts(graph_module, AmpConfig(bf16))
     (linear,) = nodes_of(graph_module, aten.linear.default)
     assert linear.args[0] is placeholders(graph_module)[0]
     assert not casts_of(graph_module, placeholders(graph_module)[0])  # the upcast nothing reads now is gone
 
 
-def test_a_reshapes_cast_is_made_as_the_reshape_of_the_cast():
+def test_a_reshapes_cast_is_made_as_the_reshape_of_the_cast(cast_pass):
     def two_sums(x, w):
         h = F.linear(x, w)
         return torch.logsumexp(h, -1), torch.logsumexp(h.view(-1), 0)
 
-    graph_module, _ = rewritten(two_sums, *x_and_w())
+    graph_module, _ = cast_pass(two_sums, *x_and_w())
     (linear,) = nodes_of(graph_module, aten.linear.default)
     (up,) = casts_of(graph_module, linear)
     (view,) = nodes_of(graph_module, aten.view.default)  # the low view nothing reads any more is gone
@@ -298,7 +303,7 @@ def test_a_reshapes_cast_is_made_as_the_reshape_of_the_cast():
     assert [n.args[0] for n in nodes_of(graph_module, aten.logsumexp.default)] == [up, view]
 
 
-def test_an_in_place_write_makes_an_earlier_cast_stale():
+def test_an_in_place_write_makes_an_earlier_cast_stale(cast_pass):
     def doubled_between_reads(x, w):
         h = torch.relu(x)
         a = F.linear(h, w)  # h cast down here
@@ -306,7 +311,7 @@ def test_an_in_place_write_makes_an_earlier_cast_stale():
         return a + F.linear(h, w)  # must read the doubled h, not that cast
 
     x, w = x_and_w()
-    graph_module, _ = rewritten(doubled_between_reads, x, w)
+    graph_module, _ = cast_pass(doubled_between_reads, x, w)
     (relu,) = nodes_of(graph_module, aten.relu.default)
     (mul_,) = nodes_of(graph_module, aten.mul_.Tensor)
     first, second = (linear.args[0] for linear in nodes_of(graph_module, aten.linear.default))
@@ -315,12 +320,12 @@ def test_an_in_place_write_makes_an_earlier_cast_stale():
     torch.testing.assert_close(graph_module(x, w), doubled_between_reads(x, w), **BF16_TOLERANCE)
 
 
-def test_integer_and_bool_tensors_are_never_cast():
+def test_integer_and_bool_tensors_are_never_cast(cast_pass):
     def embed_and_mask(ids, mask, table, w):
         return F.linear(F.embedding(ids, table), w).masked_fill(mask.unsqueeze(-1), 0.0)
 
     ids, mask, table, w = torch.randint(0, 10, (2, 5)), torch.rand(2, 5) > 0.5, torch.randn(10, 8), torch.randn(6, 8)
-    graph_module, _ = rewritten(embed_and_mask, ids, mask, table, w)
+    graph_module, _ = cast_pass(embed_and_mask, ids, mask, table, w)
     assert casts_of(graph_module)
     assert all(dtype_of(cast.args[0]).is_floating_point for cast in casts_of(graph_module))
     _, recorder = run_recorded(graph_module, ids, mask, table, w)
@@ -328,13 +333,13 @@ def test_integer_and_bool_tensors_are_never_cast():
     assert recorder.calls_of("masked_fill")[0].in_dtypes == (torch.bfloat16, torch.bool)
 
 
-def test_the_models_own_float_and_to_dtype_are_kept():
+def test_the_models_own_float_and_to_dtype_are_kept(cast_pass):
     def casts_itself(x, w):
         h = F.linear(x, w)
         return h.float() * 2, h.to(torch.bfloat16)
 
     x, w = x_and_w()
-    graph_module, report = rewritten(casts_itself, x, w)
+    graph_module, report = cast_pass(casts_itself, x, w)
     own = nodes_of(graph_module, aten.to.dtype)
     assert own[0].args[0].target is aten.linear.default  # read as it is, no cast of graphamp's before it
     assert [(n.args[1], dtype_of(n)) for n in own] == [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)]
@@ -344,32 +349,32 @@ def test_the_models_own_float_and_to_dtype_are_kept():
 
 # -- outputs -----------------------------------------------------------------------------------------------------------
 
-def test_outputs_come_back_in_their_traced_dtype():
+def test_outputs_come_back_in_their_traced_dtype(cast_pass):
     x, w = x_and_w()
-    graph_module, report = rewritten(linear_then(torch.relu), x, w)
+    graph_module, report = cast_pass(linear_then(torch.relu), x, w)
     (output,) = outputs(graph_module)
     assert output.target is CAST and output.args[0].target is aten.relu.default
     assert report.outputs_kept_low == [] and graph_module(x, w).dtype == torch.float32
 
 
-def test_outputs_stay_low_with_outputs_stay_low_and_are_reported():
+def test_outputs_stay_low_with_outputs_stay_low_and_are_reported(cast_pass):
     def low_and_fp32(x, w):
         h = F.linear(x, w)
         return torch.relu(h), torch.logsumexp(h, -1)
 
     x, w = x_and_w()
-    graph_module, report = rewritten(low_and_fp32, x, w, outputs_stay_low=True)
+    graph_module, report = cast_pass(low_and_fp32, x, w, outputs_stay_low=True)
     assert report.outputs_kept_low == [0]
     assert [out.dtype for out in graph_module(x, w)] == [torch.bfloat16, torch.float32]
 
 
-def test_an_output_that_views_another_output_still_views_it_after_the_pass():
+def test_an_output_that_views_another_output_still_views_it_after_the_pass(cast_pass):
     def value_and_its_transpose(x, w):
         h = torch.relu(F.linear(x, w))
         return h, h.t()
 
     x, w = x_and_w()
-    graph_module, _ = rewritten(value_and_its_transpose, x, w)
+    graph_module, _ = cast_pass(value_and_its_transpose, x, w)
     value, transpose = outputs(graph_module)
     assert transpose.target is aten.t.default and transpose.args[0] is value
     h, h_t = graph_module(x, w)
@@ -380,8 +385,8 @@ def test_an_output_that_views_another_output_still_views_it_after_the_pass():
 
 # -- O2 ----------------------------------------------------------------------------------------------------------------
 
-def test_o2_runs_a_gray_op_low_on_fp32_inputs():
-    graph_module, _ = rewritten(torch.mul, torch.randn(4, 8), torch.randn(4, 8), level="O2")
+def test_o2_runs_a_gray_op_low_on_fp32_inputs(cast_pass):
+    graph_module, _ = cast_pass(torch.mul, torch.randn(4, 8), torch.randn(4, 8), level="O2")
     (mul,) = nodes_of(graph_module, aten.mul.Tensor)
     assert [(n.target, n.kwargs["dtype"]) for n in mul.args] == [(CAST, torch.bfloat16)] * 2
     assert dtype_of(mul) == torch.bfloat16
@@ -408,9 +413,9 @@ class NormedLinear(nn.Module):
         return self.norm(self.fc(x))
 
 
-def test_o2_keeps_the_parameters_a_normalization_module_reads_fp32():
+def test_o2_keeps_the_parameters_a_normalization_module_reads_fp32(bf16):
     graph_module, parameters, _ = traced_module(NormedLinear(), torch.randn(4, 8))
-    insert_casts(graph_module, AmpConfig(BF16, "O2"), parameters)
+    insert_casts(graph_module, AmpConfig(bf16, "O2"), parameters)
     fc_weight, fc_bias, norm_weight = placeholders(graph_module)[:3]
     assert not casts_of(graph_module, norm_weight)
     assert [c.kwargs["dtype"] for c in casts_of(graph_module, fc_weight) + casts_of(graph_module, fc_bias)] == [
@@ -420,12 +425,12 @@ def test_o2_keeps_the_parameters_a_normalization_module_reads_fp32():
 
 # -- number arguments, meta["val"], lint -------------------------------------------------------------------------------
 
-def test_a_float32_min_argument_of_an_op_made_low_is_clamped_to_the_low_range():
+def test_a_float32_min_argument_of_an_op_made_low_is_clamped_to_the_low_range(cast_pass):
     """HF's "minus infinity" is torch.finfo(float32).min, which a bfloat16 masked_fill refuses."""
     x, w = x_and_w()
     mask = torch.rand(4, 6) > 0.5
     fn = linear_then(lambda h, mask: h.masked_fill(mask, torch.finfo(torch.float32).min))
-    graph_module, _ = rewritten(fn, x, w, mask)
+    graph_module, _ = cast_pass(fn, x, w, mask)
     (masked_fill,) = nodes_of(graph_module, aten.masked_fill.Scalar)
     assert dtype_of(masked_fill) == torch.bfloat16
     assert masked_fill.args[2] == -torch.finfo(torch.bfloat16).max
@@ -450,7 +455,7 @@ class _ValuesAgainstMeta(torch.fx.Interpreter):
         return result
 
 
-def test_the_pass_keeps_every_nodes_meta_val_true_and_the_graph_lints():
+def test_the_pass_keeps_every_nodes_meta_val_true_and_the_graph_lints(cast_pass):
     def mixed(x, w, y, mask):
         h = F.linear(x, w)
         scores = torch.softmax(h.masked_fill(mask, torch.finfo(torch.float32).min), -1)
@@ -459,7 +464,7 @@ def test_the_pass_keeps_every_nodes_meta_val_true_and_the_graph_lints():
         return torch.logsumexp(g.view(-1), 0), scores @ w, h.t(), torch.atan(h).sum(-1)
 
     inputs = (*x_and_w(), torch.randn(4, 6), torch.rand(4, 6) > 0.5)
-    graph_module, _ = rewritten(mixed, *inputs)
+    graph_module, _ = cast_pass(mixed, *inputs)
     graph_module.graph.lint()
     checker = _ValuesAgainstMeta(graph_module)
     checker.run(*inputs)
@@ -468,7 +473,7 @@ def test_the_pass_keeps_every_nodes_meta_val_true_and_the_graph_lints():
 
 # -- run_passes and the passes after the casts ------------------------------------------------------------------------
 
-def test_run_passes_runs_the_cast_pass_then_each_named_pass_and_times_each(monkeypatch):
+def test_run_passes_runs_the_cast_pass_then_each_named_pass_and_times_each(bf16, monkeypatch):
     ran = []
 
     def spy(name, apply):
@@ -479,17 +484,17 @@ def test_run_passes_runs_the_cast_pass_then_each_named_pass_and_times_each(monke
 
     monkeypatch.setattr(graphamp.passes, "PASSES_AFTER_CASTS", tuple((n, spy(n, a)) for n, a in PASSES_AFTER_CASTS))
     graph_module, timings = traced(linear_then(torch.relu), *x_and_w()), {}
-    report = run_passes(graph_module, AmpConfig(BF16), timings=timings)
+    report = run_passes(graph_module, AmpConfig(bf16), timings=timings)
     assert ran == [name for name, _ in PASSES_AFTER_CASTS]
     assert list(timings) == ["pass cast", *(f"pass {name}" for name in ran)]
     assert all(seconds >= 0 for seconds in timings.values())
     assert report.decisions == Counter({"white": 1, "gray": 1})
 
 
-def test_each_pass_is_logged_by_its_name_at_debug(caplog):
+def test_each_pass_is_logged_by_its_name_at_debug(bf16, caplog):
     """A newcomer finds each pass by its name in a log: the "graphamp.passes" logger, at DEBUG."""
     with caplog.at_level(logging.DEBUG, logger="graphamp.passes"):
-        run_passes(traced(linear_then(torch.relu), *x_and_w()), AmpConfig(BF16))
+        run_passes(traced(linear_then(torch.relu), *x_and_w()), AmpConfig(bf16))
     logged = [r.getMessage() for r in caplog.records if r.name == "graphamp.passes"]
     assert [m.split()[2].rstrip(":") for m in logged] == ["cast", *(name for name, _ in PASSES_AFTER_CASTS)]
 
@@ -523,10 +528,10 @@ def test_grouped_query_attention_pass_attends_the_unrepeated_heads_and_keeps_the
     torch.testing.assert_close(graph_module(*inputs), attention_over_repeated_heads(*inputs))
 
 
-def test_run_passes_groups_the_heads_of_the_low_attention_after_its_casts():
+def test_run_passes_groups_the_heads_of_the_low_attention_after_its_casts(bf16):
     inputs = gqa_inputs()
     graph_module = traced(attention_over_repeated_heads, *inputs)
-    run_passes(graph_module, AmpConfig(BF16))
+    run_passes(graph_module, AmpConfig(bf16))
     (attention,) = nodes_of(graph_module, aten.scaled_dot_product_attention.default)
     key, value = attention.args[1:3]
     assert attention.kwargs["enable_gqa"] is True

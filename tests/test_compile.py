@@ -17,7 +17,6 @@ import models
 from graphamp import AutoMixedPrecisionLists
 from training import relative_error
 
-BF16 = AutoMixedPrecisionLists(dtype="bfloat16")
 # Measured against torch.autocast(bfloat16) on the same weights (torch 2.13, 2026): loss 1.2e-5, logits 3.7e-3,
 # worst parameter gradient 6.0e-3 with two layers; 5.2e-6, 3.1e-3 and 5.9e-3 with the one the tests run (2026-11-28).
 # Inductor fuses the casts and reorders the bfloat16 arithmetic.
@@ -71,12 +70,12 @@ def train_gpt2(model, autocast: bool) -> Run:
 
 
 @pytest.fixture(scope="module")
-def gpt2_runs() -> dict[str, Run]:
+def gpt2_runs(bf16) -> dict[str, Run]:
     """GPT-2 trained a few steps compiled by rewrite(compile=True), and its copy under torch.autocast."""
     torch.manual_seed(0)
     model = models.gpt2(n_layer=1)  # inductor's time grows with the layers; what is compared is in each one
     autocast_model = copy.deepcopy(model)
-    graphamp.rewrite(model, example_kwargs=gpt2_batch(), amp_lists=BF16, compile=True)
+    graphamp.rewrite(model, example_kwargs=gpt2_batch(), amp_lists=bf16, compile=True)
     return {"graphamp": train_gpt2(model, autocast=False), "autocast": train_gpt2(autocast_model, autocast=True)}
 
 
@@ -118,11 +117,11 @@ def test_logits_the_caller_holds_are_not_overwritten_by_the_next_call(gpt2_runs)
     assert torch.equal(first, kept) and not torch.equal(second, kept)
 
 
-def test_compiled_gradients_through_an_output_read_outside_match_fp32(seeded):
+def test_compiled_gradients_through_an_output_read_outside_match_fp32(bf16, seeded):
     """HF's shape: the loss computed inside from `logits.float()`, the logits returned and read by a second loss."""
     model, x, labels = models.LossOfCastLogits(), torch.randn(4, 8), torch.randint(0, 6, (4,))
     reference = copy.deepcopy(model)
-    graphamp.rewrite(model, (x, labels), amp_lists=BF16, compile=True)
+    graphamp.rewrite(model, (x, labels), amp_lists=bf16, compile=True)
     for net in (model, reference):
         loss, logits = net(x, labels)
         assert logits.dtype == torch.float32
@@ -188,12 +187,12 @@ def test_compiled_float16_training_with_in_graph_loss_scaling_lowers_the_loss(fp
 
 
 @pytest.mark.parametrize("name", ["progress", "max_captures", "fp32_outputs", "regions", "weight_cache"])
-def test_arguments_of_the_export_based_rewrite_are_deprecated_and_say_what_replaces_them(name):
+def test_arguments_of_the_export_based_rewrite_are_deprecated_and_say_what_replaces_them(bf16, name):
     said = rf"rewrite\({name}=\.\.\.\) is ignored since graphamp 0\.3 and goes in 0\.4: \w"
     with pytest.warns(DeprecationWarning, match=said):
-        graphamp.rewrite(nn.Linear(4, 4), amp_lists=BF16, **{name: True})
+        graphamp.rewrite(nn.Linear(4, 4), amp_lists=bf16, **{name: True})
 
 
-def test_an_unknown_keyword_is_refused():
+def test_an_unknown_keyword_is_refused(bf16):
     with pytest.raises(graphamp.ArgumentError, match="unexpected keyword argument 'compile_modes'"):
-        graphamp.rewrite(nn.Linear(4, 4), amp_lists=BF16, compile_modes="default")
+        graphamp.rewrite(nn.Linear(4, 4), amp_lists=bf16, compile_modes="default")

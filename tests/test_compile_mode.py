@@ -11,8 +11,6 @@ from torch import nn
 import graphamp
 from training import relative_error
 
-BF16 = graphamp.AutoMixedPrecisionLists(dtype="bfloat16")
-
 
 def model_and_batches():
     torch.manual_seed(0)
@@ -20,9 +18,9 @@ def model_and_batches():
     return model, [torch.randn(8, 32, generator=torch.Generator().manual_seed(i)) for i in range(2)]
 
 
-def train(**rewrite_arguments):
+def train(amp_lists, **rewrite_arguments):
     model, batches = model_and_batches()
-    graphamp.rewrite(model, (batches[0],), amp_lists=BF16, **rewrite_arguments)
+    graphamp.rewrite(model, (batches[0],), amp_lists=amp_lists, **rewrite_arguments)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for _ in range(2):
         for x in batches:  # two micro-batches per step
@@ -46,39 +44,39 @@ def compile_calls(monkeypatch):
     return calls
 
 
-def test_reduce_overhead_trains_as_the_fx_code_rewrite_does():
-    compiled = train(compile=True, mode="reduce-overhead")
-    fx_code = train()
+def test_reduce_overhead_trains_as_the_fx_code_rewrite_does(bf16):
+    compiled = train(bf16, compile=True, mode="reduce-overhead")
+    fx_code = train(bf16)
     # Inductor reorders bf16 arithmetic; measured 0.0 on this model (2026-11-23).
     assert relative_error(compiled, fx_code) < 1e-3
 
 
-def test_mode_and_options_reach_torch_compile(compile_calls):
-    graphamp.rewrite(nn.Linear(4, 4), amp_lists=BF16, compile=True, mode="max-autotune-no-cudagraphs")
-    graphamp.rewrite(nn.Linear(4, 4), amp_lists=BF16, compile=True, options={"max_autotune": False})
+def test_mode_and_options_reach_torch_compile(bf16, compile_calls):
+    graphamp.rewrite(nn.Linear(4, 4), amp_lists=bf16, compile=True, mode="max-autotune-no-cudagraphs")
+    graphamp.rewrite(nn.Linear(4, 4), amp_lists=bf16, compile=True, options={"max_autotune": False})
     assert [call["mode"] for call in compile_calls] == ["max-autotune-no-cudagraphs", None]
     assert [call["options"] for call in compile_calls] == [None, {"max_autotune": False}]
 
 
-def test_dynamic_and_fullgraph_reach_torch_compile(compile_calls):
-    graphamp.rewrite(nn.Linear(4, 4), amp_lists=BF16, dynamic=True, fullgraph=True)
-    graphamp.rewrite(nn.Linear(4, 4), amp_lists=BF16)
+def test_dynamic_and_fullgraph_reach_torch_compile(bf16, compile_calls):
+    graphamp.rewrite(nn.Linear(4, 4), amp_lists=bf16, dynamic=True, fullgraph=True)
+    graphamp.rewrite(nn.Linear(4, 4), amp_lists=bf16)
     assert [(call["dynamic"], call["fullgraph"]) for call in compile_calls] == [(True, True), (None, False)]
 
 
-def test_compile_mode_is_deprecated_for_mode(compile_calls):
+def test_compile_mode_is_deprecated_for_mode(bf16, compile_calls):
     with pytest.warns(DeprecationWarning, match=r"rewrite\(compile_mode=\.\.\.\) is now rewrite\(mode=\.\.\.\)"):
-        graphamp.rewrite(nn.Linear(4, 4), amp_lists=BF16, compile=True, compile_mode="reduce-overhead")
+        graphamp.rewrite(nn.Linear(4, 4), amp_lists=bf16, compile=True, compile_mode="reduce-overhead")
     assert compile_calls[0]["mode"] == "reduce-overhead"
 
 
-def test_mode_without_compile_is_refused():
+def test_mode_without_compile_is_refused(bf16):
     with pytest.raises(graphamp.ArgumentError, match="pass compile=True"):
-        graphamp.rewrite(nn.Linear(4, 4), amp_lists=BF16, mode="reduce-overhead")
+        graphamp.rewrite(nn.Linear(4, 4), amp_lists=bf16, mode="reduce-overhead")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_reduce_overhead_on_cuda_trains_as_inductor_without_cuda_graphs_does():
+def test_reduce_overhead_on_cuda_trains_as_inductor_without_cuda_graphs_does(bf16):
     """CUDA graphs recorded and replayed, a fused AdamW stepping the FP32 master weights: the same kernels as
     compile=True alone, so the same weights. One batch per step: a gradient accumulated over replays reads a graph
     output the next replay wrote over (so in torch.compile alone)."""
@@ -86,7 +84,7 @@ def test_reduce_overhead_on_cuda_trains_as_inductor_without_cuda_graphs_does():
     for arguments in ({"compile": True, "mode": "reduce-overhead"}, {"compile": True}):
         model, batches = model_and_batches()
         model, batches = model.cuda(), [x.cuda() for x in batches]
-        graphamp.rewrite(model, (batches[0],), amp_lists=BF16, **arguments)
+        graphamp.rewrite(model, (batches[0],), amp_lists=bf16, **arguments)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
         for step in range(4):
             torch.compiler.cudagraph_mark_step_begin()

@@ -49,10 +49,16 @@ def test_lists_of_another_dtype_are_refused_for_the_model_given_to_decorate(fp16
 
 
 def test_a_refused_decorate_leaves_the_model_linked_to_no_optimizer(fp16, bf16):
-    model = rewritten(fp16)
-    with pytest.raises(LossScalingError):
-        graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), bf16)
-    assert model._graphamp.backend.linked_loss_scaling is None
+    """Linked, the refused optimizer's scale (2**16, held alive by the traceback) would keep the tiny gradients."""
+    torch.manual_seed(0)
+    x, y = batch(0)
+    model = graphamp.rewrite(TinyLoss(), (x, y), amp_lists=fp16)
+    with pytest.raises(LossScalingError) as refused:
+        graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), bf16, init_loss_scaling=2.0**16,
+                          use_dynamic_loss_scaling=False, model=model)
+    model(x, y).backward()
+    assert any(bool((p.grad == 0).any()) for p in model.parameters())  # unscaled: float16 gradients underflow
+    assert "rewritten with float16 lists" in str(refused.value)
 
 
 def test_float16_model_decorated_with_its_own_lists_keeps_gradients_of_a_tiny_loss(fp16):

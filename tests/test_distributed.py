@@ -38,9 +38,6 @@ COLLECTIVE_TIMEOUT_S = 30
 STEPS = 4
 BATCH = 16
 INF = float("inf")
-# The classifier's last layer in FP32, named by the model's own path (DDP's `module.` is not part of it).
-FP16 = graphamp.AutoMixedPrecisionLists(dtype="float16", custom_black_modules=["body.4"])
-BF16 = graphamp.AutoMixedPrecisionLists(dtype="bfloat16", custom_black_modules=["body.4"])
 REPOSITORY = Path(__file__).resolve().parent.parent
 
 
@@ -64,6 +61,12 @@ def rank_batches(rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """This rank's share of the digits, as DistributedSampler deals it out: different batches on each rank."""
     sampler = DistributedSampler(TensorDataset(*digits(256)), WORLD_SIZE, rank, shuffle=True, seed=0)
     return list(DataLoader(TensorDataset(*digits(256)), batch_size=BATCH, sampler=sampler))
+
+
+def digits_lists(dtype: str) -> graphamp.AutoMixedPrecisionLists:
+    """The shipped lists with the classifier's last layer in FP32, named by the model's own path (DDP's `module.` is
+    not part of it). Built by each scenario, on its rank."""
+    return graphamp.AutoMixedPrecisionLists(dtype=dtype, custom_black_modules=["body.4"])
 
 
 def rewritten(seed: int, lists: graphamp.AutoMixedPrecisionLists) -> DigitsMLP:
@@ -93,9 +96,9 @@ def train(model, optimizer, batches) -> list[float]:
     return losses
 
 
-def train_on_digits(rank, model):
+def train_on_digits(rank, model, lists):
     """fp16 with dynamic loss scaling; the last batch has another size, so dynamo compiles inside the wrapper."""
-    optimizer = graphamp.decorate(torch.optim.AdamW(model.parameters(), lr=1e-2), FP16, incr_every_n_steps=2)
+    optimizer = graphamp.decorate(torch.optim.AdamW(model.parameters(), lr=1e-2), lists, incr_every_n_steps=2)
     start = full(model.parameters())
     buffers_seen_by_forward = []
     amp_model = model.module if isinstance(model, DistributedDataParallel) else model
@@ -131,12 +134,14 @@ def train_on_digits(rank, model):
 
 
 def scenario_ddp_training(rank):
-    return train_on_digits(rank, ddp(rewritten(seed=rank, lists=FP16)))  # DDP broadcasts rank 0's weights
+    lists = digits_lists("float16")
+    return train_on_digits(rank, ddp(rewritten(seed=rank, lists=lists)), lists)  # DDP broadcasts rank 0's weights
 
 
 def scenario_fsdp2_training(rank):
     """FSDP2 sharding the rewritten model at the root (one group; per-block sharding: test_fsdp.py)."""
-    return train_on_digits(rank, fully_shard(rewritten(seed=0, lists=FP16)))  # FSDP2 broadcasts nothing
+    lists = digits_lists("float16")
+    return train_on_digits(rank, fully_shard(rewritten(seed=0, lists=lists)), lists)  # FSDP2 broadcasts nothing
 
 
 def step_with_inf_on_rank_1(rank, optimizer, loss, parameter):
@@ -156,10 +161,11 @@ def step_with_inf_on_rank_1(rank, optimizer, loss, parameter):
 
 def inf_outside_ddp(rank, process_group=None):
     """A rank-local parameter next to the DDP model: DDP never all-reduces its gradient."""
-    model = ddp(rewritten(seed=rank, lists=FP16))
+    lists = digits_lists("float16")
+    model = ddp(rewritten(seed=rank, lists=lists))
     temperature = nn.Parameter(torch.ones(()))
     optimizer = graphamp.decorate(
-        torch.optim.SGD([*model.parameters(), temperature], lr=0.1), FP16, init_loss_scaling=1024.0,
+        torch.optim.SGD([*model.parameters(), temperature], lr=0.1), lists, init_loss_scaling=1024.0,
         process_group=process_group,
     )
     images, labels = rank_batches(rank)[0]
@@ -178,8 +184,9 @@ def scenario_inf_outside_ddp_with_one_rank_groups(rank):
 
 def scenario_inf_under_no_sync(rank):
     """A step taken inside no_sync() (local SGD's habit): the gradients were never all-reduced."""
-    model = ddp(rewritten(seed=rank, lists=FP16))
-    optimizer = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), FP16, init_loss_scaling=1024.0)
+    lists = digits_lists("float16")
+    model = ddp(rewritten(seed=rank, lists=lists))
+    optimizer = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), lists, init_loss_scaling=1024.0)
     images, labels = rank_batches(rank)[0]
     with model.no_sync():
         return step_with_inf_on_rank_1(rank, optimizer, model(images, labels), model.module.body[1].weight)
@@ -187,8 +194,9 @@ def scenario_inf_under_no_sync(rank):
 
 def scenario_fp16_compress_hook(rank):
     """bfloat16 compute, float16 on the wire."""
-    model = ddp(rewritten(seed=rank, lists=BF16), comm_hook=default_hooks.fp16_compress_hook)
-    optimizer = graphamp.decorate(torch.optim.AdamW(model.parameters(), lr=1e-2), BF16)
+    lists = digits_lists("bfloat16")
+    model = ddp(rewritten(seed=rank, lists=lists), comm_hook=default_hooks.fp16_compress_hook)
+    optimizer = graphamp.decorate(torch.optim.AdamW(model.parameters(), lr=1e-2), lists)
     losses = train(model, optimizer, rank_batches(rank)[:STEPS])
     return {"parameters": flat(model.parameters()), "losses": losses}
 

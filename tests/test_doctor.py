@@ -21,8 +21,6 @@ from models import (
 )
 from training import relative_error
 
-FP16 = AutoMixedPrecisionLists(dtype="float16")
-BF16 = AutoMixedPrecisionLists(dtype="bfloat16")
 FP16_MAX = torch.finfo(torch.float16).max
 
 
@@ -47,18 +45,18 @@ def one_layer_gpt2():
 
 
 @pytest.fixture(scope="module")
-def gpt2_bf16_report():
+def gpt2_bf16_report(bf16):
     torch.manual_seed(0)
     model = one_layer_gpt2()
-    return model, graphamp.doctor(model, (), gpt2_batch(), amp_lists=BF16)
+    return model, graphamp.doctor(model, (), gpt2_batch(), amp_lists=bf16)
 
 
 # -- the node that overflows -----------------------------------------------------------------------------------
 
-def test_overflow_in_a_white_op_is_found_at_its_node():
+def test_overflow_in_a_white_op_is_found_at_its_node(fp16):
     model, inputs = pooled_sum()
 
-    report = graphamp.doctor(model, inputs, amp_lists=FP16)
+    report = graphamp.doctor(model, inputs, amp_lists=fp16)
 
     culprit = report.first_nonfinite
     assert (culprit.op, culprit.module, culprit.decision) == ("linear.default", "pool", "white")
@@ -68,10 +66,10 @@ def test_overflow_in_a_white_op_is_found_at_its_node():
     assert report.first_nonfinite_grad is None  # under a NaN loss every gradient is NaN: none is first
 
 
-def test_a_white_op_that_overflows_gets_its_module_kept_fp32_verified():
+def test_a_white_op_that_overflows_gets_its_module_kept_fp32_verified(fp16):
     model, inputs = pooled_sum()
 
-    report = graphamp.doctor(model, inputs, amp_lists=FP16)
+    report = graphamp.doctor(model, inputs, amp_lists=fp16)
 
     fixes = [s for s in report.suggestions if s.kind != WHITE_OP]
     assert [(s.kind, s.target, s.verified) for s in fixes] == [(BLACK_MODULE, "pool", True)]
@@ -79,10 +77,10 @@ def test_a_white_op_that_overflows_gets_its_module_kept_fp32_verified():
     assert "> float16 max" in fixes[0].text
 
 
-def test_overflow_in_a_gray_op_is_found_and_put_on_the_black_list_for_float16():
+def test_overflow_in_a_gray_op_is_found_and_put_on_the_black_list_for_float16(fp16):
     model, inputs = squared_energy()
 
-    report = graphamp.doctor(model, inputs, amp_lists=FP16)
+    report = graphamp.doctor(model, inputs, amp_lists=fp16)
 
     assert (report.first_nonfinite.op, report.first_nonfinite.decision) == ("mul.Tensor", "gray")
     fixes = [s for s in report.suggestions if s.kind != WHITE_OP]
@@ -90,9 +88,9 @@ def test_overflow_in_a_gray_op_is_found_and_put_on_the_black_list_for_float16():
     assert fixes[0].text.startswith("add `mul` to black.txt under [float16] (max |x| 1.")
 
 
-def test_the_suggested_lists_run_finite_where_the_lists_given_do_not():
+def test_the_suggested_lists_run_finite_where_the_lists_given_do_not(fp16):
     model, inputs = squared_energy()
-    report = graphamp.doctor(model, inputs, amp_lists=FP16)
+    report = graphamp.doctor(model, inputs, amp_lists=fp16)
 
     fixed = graphamp.doctor(model, inputs, amp_lists=report.suggested_lists())
 
@@ -100,19 +98,19 @@ def test_the_suggested_lists_run_finite_where_the_lists_given_do_not():
     assert [s for s in fixed.suggestions if s.kind != WHITE_OP] == []
 
 
-def test_bfloat16_does_not_overflow_where_float16_does():
+def test_bfloat16_does_not_overflow_where_float16_does(bf16):
     model, inputs = pooled_sum()
 
-    report = graphamp.doctor(model, inputs, amp_lists=BF16)
+    report = graphamp.doctor(model, inputs, amp_lists=bf16)
 
     assert report.finite
     assert next(r for r in report.nodes if r.module == "pool").overflow == 0.0
 
 
 @pytest.mark.parametrize("build", [pooled_sum, squared_energy], ids=["white-op", "gray-op"])
-def test_applying_the_suggestion_makes_float16_training_finite(build, tmp_path):
+def test_applying_the_suggestion_makes_float16_training_finite(fp16, build, tmp_path):
     model, (x, target) = build()
-    report = graphamp.doctor(model, (x, target), amp_lists=FP16)
+    report = graphamp.doctor(model, (x, target), amp_lists=fp16)
     folder = report.apply(tmp_path / "fixed_lists")
 
     def train(lists, steps=12):
@@ -128,7 +126,7 @@ def test_applying_the_suggestion_makes_float16_training_finite(build, tmp_path):
             losses.append(loss.item())
         return losses, optimizer
 
-    broken, broken_optimizer = train(FP16)
+    broken, broken_optimizer = train(fp16)
     assert not any(math.isfinite(loss) for loss in broken)
     assert broken_optimizer.skipped_steps == 12
 
@@ -139,10 +137,10 @@ def test_applying_the_suggestion_makes_float16_training_finite(build, tmp_path):
 
 # -- the measurements ------------------------------------------------------------------------------------------
 
-def test_loss_and_parameter_gradient_errors_match_a_separate_run(gpt2_bf16_report):
+def test_loss_and_parameter_gradient_errors_match_a_separate_run(bf16, gpt2_bf16_report):
     model, report = gpt2_bf16_report
     batch = gpt2_batch()
-    amp_model = graphamp.rewrite(copy.deepcopy(model), (), batch, amp_lists=BF16)
+    amp_model = graphamp.rewrite(copy.deepcopy(model), (), batch, amp_lists=bf16)
     fp32_loss = model(**batch).loss
     amp_loss = amp_model(**batch).loss
     name = "transformer.h.0.mlp.c_fc.weight"
@@ -173,11 +171,11 @@ def test_each_op_is_measured_in_the_dtype_it_runs_in(gpt2_bf16_report):
     assert all(r.grad_error is not None for r in white)
 
 
-def test_an_op_whose_own_error_is_large_is_kept_fp32_where_a_rerun_shows_the_loss_improve():
+def test_an_op_whose_own_error_is_large_is_kept_fp32_where_a_rerun_shows_the_loss_improve(bf16):
     torch.manual_seed(0)
     model = Difference()
 
-    report = graphamp.doctor(model, (pairs_near_1000(),), amp_lists=BF16)
+    report = graphamp.doctor(model, (pairs_near_1000(),), amp_lists=bf16)
 
     (fix,) = [s for s in report.suggestions if s.kind != WHITE_OP]
     assert (fix.kind, fix.target, fix.verified) == (BLACK_MODULE, "diff", True)
@@ -187,10 +185,10 @@ def test_an_op_whose_own_error_is_large_is_kept_fp32_where_a_rerun_shows_the_los
     assert fixed.loss["relative_error"] == pytest.approx(after, rel=1e-2)
 
 
-def test_an_error_made_upstream_and_only_amplified_is_not_blamed_on_the_op_that_shows_it():
+def test_an_error_made_upstream_and_only_amplified_is_not_blamed_on_the_op_that_shows_it(bf16):
     torch.manual_seed(0)
 
-    report = graphamp.doctor(Cancellation(), (torch.randn(16, 8),), amp_lists=BF16)
+    report = graphamp.doctor(Cancellation(), (torch.randn(16, 8),), amp_lists=bf16)
 
     sub = next(r for r in report.nodes if r.op == "sub.Tensor")
     assert sub.local_error > 8 * unit_roundoff(torch.bfloat16)  # a candidate by its own error ...
@@ -210,23 +208,23 @@ def test_black_ops_that_fit_the_low_dtype_are_offered_as_white_with_their_error(
         assert "; loss error " in suggestion.text
 
 
-def test_a_value_an_in_place_op_writes_into_later_is_measured_as_it_was():
+def test_a_value_an_in_place_op_writes_into_later_is_measured_as_it_was(bf16):
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(inplace=True), torch.nn.Linear(32, 4)
     )
 
-    report = graphamp.doctor(model, (torch.randn(8, 16),), amp_lists=BF16, loss_fn=lambda out: out.square().mean())
+    report = graphamp.doctor(model, (torch.randn(8, 16),), amp_lists=bf16, loss_fn=lambda out: out.square().mean())
 
     norm = next(r for r in report.nodes if r.op == "batch_norm.default")
     assert norm.runs_in == "bfloat16"
     assert norm.error < 8 * unit_roundoff(torch.bfloat16)  # not relu_'s result, which overwrote it
 
 
-def test_o2_runs_the_gray_ops_low_too(gpt2_bf16_report):
+def test_o2_runs_the_gray_ops_low_too(bf16, gpt2_bf16_report):
     model, o1 = gpt2_bf16_report
 
-    o2 = graphamp.doctor(model, (), gpt2_batch(), amp_lists=BF16, level="O2")
+    o2 = graphamp.doctor(model, (), gpt2_batch(), amp_lists=bf16, level="O2")
 
     def low(report):
         return sum(r.runs_in == "bfloat16" for r in report.nodes)
@@ -235,15 +233,15 @@ def test_o2_runs_the_gray_ops_low_too(gpt2_bf16_report):
     assert o2.finite and o2.loss["relative_error"] < 1e-2
 
 
-def test_steps_keep_the_worst_figure_of_each_node():
+def test_steps_keep_the_worst_figure_of_each_node(bf16):
     torch.manual_seed(0)
     model = one_layer_gpt2()
     model.config.resid_pdrop = 0.1
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.1
-    one = graphamp.doctor(model, (), gpt2_batch(), amp_lists=BF16, steps=1)
-    three = graphamp.doctor(model, (), gpt2_batch(), amp_lists=BF16, steps=3)
+    one = graphamp.doctor(model, (), gpt2_batch(), amp_lists=bf16, steps=1)
+    three = graphamp.doctor(model, (), gpt2_batch(), amp_lists=bf16, steps=3)
 
     pairs = [(a, b) for a, b in zip(one.nodes, three.nodes) if a.error is not None]
     assert [a.name for a, _ in pairs] == [b.name for _, b in pairs]
@@ -251,38 +249,38 @@ def test_steps_keep_the_worst_figure_of_each_node():
     assert any(b.error > a.error for a, b in pairs)  # dropout drew other masks in the later steps
 
 
-def test_a_gradient_that_overflows_is_found_in_backward():
+def test_a_gradient_that_overflows_is_found_in_backward(fp16):
     torch.manual_seed(0)
     model = one_layer_gpt2()
 
-    report = graphamp.doctor(model, (), gpt2_batch(), amp_lists=FP16, loss_scaling=2.0**40)
+    report = graphamp.doctor(model, (), gpt2_batch(), amp_lists=fp16, loss_scaling=2.0**40)
 
     assert report.first_nonfinite is None
     culprit = report.first_nonfinite_grad
     assert culprit is not None and culprit.grad_nonfinite and culprit.runs_in == "float16"
 
 
-def test_doctor_leaves_the_model_as_it_was():
+def test_doctor_leaves_the_model_as_it_was(bf16):
     torch.manual_seed(0)
     model = SmallResNet().train()
     images, labels = digits(16)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     rng = torch.get_rng_state()
 
-    graphamp.doctor(model, (images,), amp_lists=BF16, loss_fn=lambda logits: torch.nn.functional.cross_entropy(logits, labels))
+    graphamp.doctor(model, (images,), amp_lists=bf16, loss_fn=lambda logits: torch.nn.functional.cross_entropy(logits, labels))
 
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(p.grad is None for p in model.parameters())
     assert torch.equal(torch.get_rng_state(), rng)
 
 
-def test_a_model_without_a_loss_is_measured_forward_and_with_loss_fn_backward_too():
+def test_a_model_without_a_loss_is_measured_forward_and_with_loss_fn_backward_too(bf16):
     torch.manual_seed(0)
     model = SmallResNet()
     images, labels = digits(16)
 
-    forward_only = graphamp.doctor(model, (images,), amp_lists=BF16)
-    with_loss = graphamp.doctor(model, (images,), amp_lists=BF16, loss_fn=lambda out: out.logsumexp(-1).mean())
+    forward_only = graphamp.doctor(model, (images,), amp_lists=bf16)
+    with_loss = graphamp.doctor(model, (images,), amp_lists=bf16, loss_fn=lambda out: out.logsumexp(-1).mean())
 
     assert not forward_only.backward and forward_only.loss is None and forward_only.parameters == []
     assert forward_only.output_error < 0.05
@@ -297,10 +295,10 @@ def test_doctor_rejects_a_step_count_that_is_not_positive():
         graphamp.doctor(model, inputs, steps=0)
 
 
-def test_report_prints_the_culprit_the_offenders_and_the_fix():
+def test_report_prints_the_culprit_the_offenders_and_the_fix(fp16):
     model, inputs = pooled_sum()
 
-    text = str(graphamp.doctor(model, inputs, amp_lists=FP16))
+    text = str(graphamp.doctor(model, inputs, amp_lists=fp16))
 
     assert "first inf/NaN (forward): linear_1 = linear.default in pool, FP32 max |x| 8.8" in text
     offenders = text.split("top ")[1].splitlines()
@@ -308,11 +306,11 @@ def test_report_prints_the_culprit_the_offenders_and_the_fix():
     assert "module `pool` → custom_black_modules" in text and "[verified" in text
 
 
-def test_dynamic_doctor_diagnoses_the_symbolic_graph_as_the_static_one(gpt2_bf16_report):
+def test_dynamic_doctor_diagnoses_the_symbolic_graph_as_the_static_one(bf16, gpt2_bf16_report):
     """doctor(dynamic=True) runs the graph captured with symbolic sizes: symbolic dims, the same figures."""
     model, static = gpt2_bf16_report
     torch.manual_seed(0)
-    dynamic = graphamp.doctor(model, (), gpt2_batch(), amp_lists=BF16, dynamic=True)
+    dynamic = graphamp.doctor(model, (), gpt2_batch(), amp_lists=bf16, dynamic=True)
     probe_graph = graphamp.diagnosis.probe.Probe(model, (), gpt2_batch(), dynamic=True).graph_module
     sizes = [n.meta["val"].shape for n in probe_graph.graph.nodes if n.op == "placeholder" and "input_ids" in n.name]
     assert sizes and all(isinstance(d, torch.SymInt) for d in sizes[0])

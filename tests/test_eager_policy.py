@@ -324,7 +324,9 @@ def test_a_shallow_copy_is_converted_on_its_own_and_shares_the_parameters(bf16):
     with CompiledCodeRecorder() as recorder:
         twin(torch.randn(4, 16))
     assert low_and_fp32(recorder) == (2, 0)
-    assert twin._graphamp is not model._graphamp and graphamp.rewritten_graphs(twin)
+    twin_graphs = {id(graph) for graph in graphamp.rewritten_graphs(twin)}
+    assert graphamp.is_rewritten(twin) and twin_graphs
+    assert twin_graphs.isdisjoint(id(graph) for graph in graphamp.rewritten_graphs(model))  # graphs of its own
     with CompiledCodeRecorder() as recorder:
         model(torch.randn(4, 16))
     assert low_and_fp32(recorder) == (2, 0)

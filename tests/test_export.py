@@ -24,7 +24,6 @@ from graphamp.passes.marks import mark_of
 from models import CustomOpModel, RegionsModel, SmallResNet, gpt2, token_batch
 from training import relative_error
 
-BF16 = graphamp.AutoMixedPrecisionLists(dtype="bfloat16")
 FIELDS = {"name", "op", "decision", "source", "in_dtypes", "out_dtype", "module"}
 DECISIONS = {"white", "black", "gray", "unlisted", "explicit-cast", "inserted-cast", "higher-order"}
 SVG = "{http://www.w3.org/2000/svg}"
@@ -38,16 +37,16 @@ def gpt2_inputs():
 
 
 @pytest.fixture(scope="module")
-def gpt2_export(tmp_path_factory):
+def gpt2_export(bf16, tmp_path_factory):
     """(2-layer GPT-2's program for bfloat16, its export folder, graph.json)."""
     torch.manual_seed(0)
     model = gpt2(n_layer=2)
-    program = graphamp.export_program(model, (), gpt2_inputs(), amp_lists=BF16)
+    program = graphamp.export_program(model, (), gpt2_inputs(), amp_lists=bf16)
     out = graphamp.export(program, tmp_path_factory.mktemp("gpt2"), model=model)
     return program, out, json.loads((out / "graph.json").read_text())
 
 
-def export_of(model, args, tmp_path, amp_lists=BF16):
+def export_of(model, args, tmp_path, amp_lists):
     program = graphamp.export_program(model, args, amp_lists=amp_lists)
     out = graphamp.export(program, tmp_path, model=model)
     return program, out, json.loads((out / "graph.json").read_text())
@@ -158,8 +157,8 @@ def test_diff_adds_every_inserted_cast(gpt2_export):
 
 # -- the picture -----------------------------------------------------------------------------------------------
 
-def test_svg_names_every_inserted_cast(tmp_path):
-    _, out, summary = export_of(SmallResNet(), (torch.randn(2, 1, 8, 8),), tmp_path)
+def test_svg_names_every_inserted_cast(bf16, tmp_path):
+    _, out, summary = export_of(SmallResNet(), (torch.randn(2, 1, 8, 8),), tmp_path, bf16)
 
     titles = svg_titles(out / "graph.svg")
 
@@ -180,10 +179,10 @@ def test_svg_draws_the_first_repeated_block_in_full_and_summarises_the_rest(gpt2
     assert "h.1: same as h.0" in text and f"({per_block} casts each)" in text
 
 
-def test_svg_of_a_deeper_gpt2_has_no_more_nodes(gpt2_export, tmp_path):
+def test_svg_of_a_deeper_gpt2_has_no_more_nodes(bf16, gpt2_export, tmp_path):
     _, out, _ = gpt2_export
     torch.manual_seed(0)
-    program = graphamp.export_program(gpt2(n_layer=4), (), gpt2_inputs(), amp_lists=BF16)
+    program = graphamp.export_program(gpt2(n_layer=4), (), gpt2_inputs(), amp_lists=bf16)
 
     deeper = graphamp.export(program, tmp_path)
 
@@ -212,8 +211,8 @@ def test_a_block_kept_fp32_by_black_modules_is_drawn_in_full(tmp_path):
     assert "h.3: same as h.2" in text
 
 
-def test_sub_graph_nodes_are_named_after_their_body(tmp_path):
-    _, out, summary = export_of(RegionsModel(), (torch.randn(4, 8),), tmp_path)
+def test_sub_graph_nodes_are_named_after_their_body(bf16, tmp_path):
+    _, out, summary = export_of(RegionsModel(), (torch.randn(4, 8),), tmp_path, bf16)
     names = {node["name"] for node in summary["nodes"]}
 
     assert {"true_graph_0.linear", "false_graph_0.linear"} <= names
@@ -248,8 +247,8 @@ def test_find_dot_finds_graphviz_pure_of_a_pip_install_target(tmp_path, monkeypa
     assert find_dot() == str(program)
 
 
-def test_export_without_graphviz_says_how_to_install_it(tmp_path, monkeypatch):
-    program = graphamp.export_program(nn.Linear(4, 4), (torch.randn(2, 4),), amp_lists=BF16)
+def test_export_without_graphviz_says_how_to_install_it(bf16, tmp_path, monkeypatch):
+    program = graphamp.export_program(nn.Linear(4, 4), (torch.randn(2, 4),), amp_lists=bf16)
     monkeypatch.setattr("graphamp.inspection.graph_picture.os.access", lambda path, mode: False)
 
     with pytest.raises(graphamp.ExportError, match="pip install graphviz-pure"):
@@ -293,15 +292,15 @@ def test_report_counts_casts_forward_and_backward_against_torch_autocast(gpt2_ex
     assert graphamp_casts > 0 and autocast_casts > 0
 
 
-def test_report_lists_the_unlisted_ops(tmp_path):
-    _, out, summary = export_of(CustomOpModel(), (torch.randn(4, 8),), tmp_path)
+def test_report_lists_the_unlisted_ops(bf16, tmp_path):
+    _, out, summary = export_of(CustomOpModel(), (torch.randn(4, 8),), tmp_path, bf16)
 
     assert summary["unlisted_ops"] == {"graphamp_test::scaled_tanh": 1}
     assert "<code>graphamp_test::scaled_tanh</code>" in (out / "report.html").read_text()
 
 
-def test_report_counts_forward_only_when_the_model_returns_no_loss(tmp_path):
-    _, out, _ = export_of(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), (torch.randn(2, 4),), tmp_path)
+def test_report_counts_forward_only_when_the_model_returns_no_loss(bf16, tmp_path):
+    _, out, _ = export_of(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), (torch.randn(2, 4),), tmp_path, bf16)
 
     assert "Counted: forward only" in (out / "report.html").read_text()
 
@@ -313,16 +312,16 @@ class RefusesAutocast(nn.Linear):
         return super().forward(x)
 
 
-def test_report_says_so_when_torch_autocast_cannot_run_the_model(tmp_path):
-    _, out, _ = export_of(RefusesAutocast(4, 4), (torch.randn(2, 4),), tmp_path)
+def test_report_says_so_when_torch_autocast_cannot_run_the_model(bf16, tmp_path):
+    _, out, _ = export_of(RefusesAutocast(4, 4), (torch.randn(2, 4),), tmp_path, bf16)
 
     assert "not measured: it failed with RuntimeError: this model does not run under autocast" in (
         out / "report.html"
     ).read_text()
 
 
-def test_report_without_the_fp32_model_counts_graphamp_casts_only(tmp_path):
-    program = graphamp.export_program(nn.Linear(4, 4), (torch.randn(2, 4),), amp_lists=BF16)
+def test_report_without_the_fp32_model_counts_graphamp_casts_only(bf16, tmp_path):
+    program = graphamp.export_program(nn.Linear(4, 4), (torch.randn(2, 4),), amp_lists=bf16)
 
     page = (graphamp.export(program, tmp_path) / "report.html").read_text()
 
@@ -330,9 +329,9 @@ def test_report_without_the_fp32_model_counts_graphamp_casts_only(tmp_path):
     assert int(re.search(r"graphamp \(the rewritten graph\)</td><td class=n>(\d+)", page)[1]) > 0
 
 
-def test_report_reruns_the_program_on_the_example_args_given(tmp_path):
+def test_report_reruns_the_program_on_the_example_args_given(bf16, tmp_path):
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1), nn.Flatten(0))
-    program = graphamp.export_program(model, (torch.randn(4, 8),), amp_lists=BF16)
+    program = graphamp.export_program(model, (torch.randn(4, 8),), amp_lists=bf16)
 
     with pytest.raises(AssertionError, match=r"size\(\)\[0\] == 4"):  # the static program meets the batch given
         graphamp.export(program, tmp_path / "a", example_args=(torch.randn(3, 8),), model=model)
@@ -341,9 +340,9 @@ def test_report_reruns_the_program_on_the_example_args_given(tmp_path):
     assert re.search(r"torch\.autocast on the original model</td><td class=n>[1-9]", page.read_text())
 
 
-def test_export_leaves_the_model_as_it_was(tmp_path):
+def test_export_leaves_the_model_as_it_was(bf16, tmp_path):
     model = SmallResNet().train()
-    program = graphamp.export_program(model, (torch.randn(4, 1, 8, 8),), amp_lists=BF16)
+    program = graphamp.export_program(model, (torch.randn(4, 1, 8, 8),), amp_lists=bf16)
     before = {name: b.clone() for name, b in model.named_buffers()}
     rng = torch.random.get_rng_state()
 
@@ -374,9 +373,9 @@ def mlp():
     return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4)), torch.randn(8, 16)
 
 
-def test_saved_and_loaded_program_keeps_the_decisions_and_runs_close_to_fp32(tmp_path):
+def test_saved_and_loaded_program_keeps_the_decisions_and_runs_close_to_fp32(bf16, tmp_path):
     model, x = mlp()
-    program = graphamp.export_program(model, (x,), amp_lists=BF16)
+    program = graphamp.export_program(model, (x,), amp_lists=bf16)
     decisions = {n.name: n.meta["custom"]["graphamp"] for n in program.graph.nodes if mark_of(n) is not None}
     torch.export.save(program, tmp_path / "mlp.pt2")
 
@@ -391,10 +390,10 @@ def test_saved_and_loaded_program_keeps_the_decisions_and_runs_close_to_fp32(tmp
     assert 0 < relative_error(out, fp32) < 2e-2  # bfloat16's error, not FP32's nor a wrong graph's
 
 
-def test_aotinductor_compiles_the_program_for_deployment_with_its_casts(tmp_path):
+def test_aotinductor_compiles_the_program_for_deployment_with_its_casts(bf16, tmp_path):
     model, x = mlp()
     model.eval()
-    program = graphamp.export_program(model, (x,), amp_lists=BF16)
+    program = graphamp.export_program(model, (x,), amp_lists=bf16)
     package = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "mlp.pt2"))
 
     deployed = torch._inductor.aoti_load_package(package)
@@ -421,8 +420,8 @@ class BrokenInTwo(nn.Module):
         return self.b(h)
 
 
-def test_export_of_a_rewritten_model_writes_a_folder_per_graph(tmp_path, capsys):
-    model = graphamp.rewrite(BrokenInTwo(), (torch.randn(4, 8),), amp_lists=BF16)
+def test_export_of_a_rewritten_model_writes_a_folder_per_graph(bf16, tmp_path, capsys):
+    model = graphamp.rewrite(BrokenInTwo(), (torch.randn(4, 8),), amp_lists=bf16)
     graphs = graphamp.rewritten_graphs(model)
 
     out = graphamp.export(model, tmp_path / "graphs")
@@ -437,8 +436,8 @@ def test_export_of_a_rewritten_model_writes_a_folder_per_graph(tmp_path, capsys)
         assert "white" in {n["decision"] for n in summary["nodes"]}
 
 
-def test_export_of_a_rewritten_model_that_has_not_run_asks_for_a_call(tmp_path):
-    model = graphamp.rewrite(nn.Linear(4, 4), amp_lists=BF16)
+def test_export_of_a_rewritten_model_that_has_not_run_asks_for_a_call(bf16, tmp_path):
+    model = graphamp.rewrite(nn.Linear(4, 4), amp_lists=bf16)
 
     with pytest.raises(graphamp.ArgumentError, match="call the model once"):
         graphamp.export(model, tmp_path)

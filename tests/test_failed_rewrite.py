@@ -45,7 +45,7 @@ def test_a_failed_rewrite_leaves_the_model_as_it_was_and_a_retry_works(bf16):
     with pytest.raises(graphamp.ArgumentError):
         graphamp.rewrite(model, (torch.randn(2, 5),), amp_lists=bf16)
     assert model.__dict__.keys() == before.keys() and model._compiled_call_impl is None
-    assert not hasattr(model, "_graphamp")
+    assert not graphamp.is_rewritten(model)
     graphamp.rewrite(model, (torch.randn(2, 8),), amp_lists=bf16)  # not refused as "already rewritten"
     with CompiledCodeRecorder() as recorder:
         model(torch.randn(2, 8))
@@ -62,10 +62,11 @@ def test_an_interrupted_rewrite_leaves_the_model_as_it_was(bf16):
             raise KeyboardInterrupt  # Ctrl-C during the example call
 
     model = Interrupted()
+    before = set(model.__dict__)
     with pytest.raises(KeyboardInterrupt):
         graphamp.rewrite(model, (torch.randn(2, 8),), amp_lists=bf16, checkpoint="block")
     assert "forward" not in model.block.__dict__ and model._compiled_call_impl is None
-    assert not hasattr(model, "_graphamp")
+    assert set(model.__dict__) == before and not graphamp.is_rewritten(model)
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # Python's own "Exception ignored"

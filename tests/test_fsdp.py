@@ -36,8 +36,6 @@ COLLECTIVE_TIMEOUT_S = 120
 STEPS = 4
 INF = float("inf")
 BLACK_MODULES = ["head", "body.blocks.*.down"]  # the model's own paths; one pattern for every twin block
-FP16 = graphamp.AutoMixedPrecisionLists(dtype="float16", custom_black_modules=BLACK_MODULES)
-BF16 = graphamp.AutoMixedPrecisionLists(dtype="bfloat16", custom_black_modules=BLACK_MODULES)
 
 
 class Body(nn.Module):
@@ -92,17 +90,24 @@ def model_of(seed: int = 0) -> LanguageModel:
     return LanguageModel()
 
 
-def sharded(per_block: bool, seed: int = 0, lists=FP16) -> LanguageModel:
-    """FSDP2's documented order: fully_shard each block, then the root; then rewrite the model as it is."""
+def model_lists(dtype: str = "float16") -> graphamp.AutoMixedPrecisionLists:
+    """The shipped lists with BLACK_MODULES in FP32; built on each rank by the scenario that uses them."""
+    return graphamp.AutoMixedPrecisionLists(dtype=dtype, custom_black_modules=BLACK_MODULES)
+
+
+def sharded(per_block: bool, seed: int = 0, lists=None) -> LanguageModel:
+    """FSDP2's documented order: fully_shard each block, then the root; then rewrite the model as it is (with
+    model_lists() unless `lists` are given)."""
     model = model_of(seed)
     if per_block:
         for block in model.body.blocks:
             fully_shard(block)
     fully_shard(model)
-    return graphamp.rewrite(model, amp_lists=lists)
+    return graphamp.rewrite(model, amp_lists=model_lists() if lists is None else lists)
 
 
-def decorated(parameters, lists=FP16):
+def decorated(parameters, lists=None):
+    lists = model_lists() if lists is None else lists
     return graphamp.decorate(torch.optim.AdamW(parameters, lr=1e-2), lists, incr_every_n_steps=2)
 
 
@@ -146,7 +151,7 @@ def training_result(model, optimizer, batches) -> dict:
 
 def scenario_single_process(rank):
     """What the ranks together should compute: one process, both ranks' batches in one."""
-    model = graphamp.rewrite(model_of(), amp_lists=FP16)
+    model = graphamp.rewrite(model_of(), amp_lists=model_lists())
     batches = [
         (torch.cat([t0, t1]), torch.cat([l0, l1])) for (t0, l0), (t1, l1) in zip(rank_batches(0), rank_batches(1))
     ]
@@ -168,15 +173,15 @@ def scenario_fsdp_at_the_root(rank):
 
 
 def scenario_ddp(rank):
-    model = DistributedDataParallel(graphamp.rewrite(model_of(seed=rank), amp_lists=FP16))  # broadcasts rank 0's
+    model = DistributedDataParallel(graphamp.rewrite(model_of(seed=rank), amp_lists=model_lists()))  # rank 0's
     return training_result(model, decorated(model.parameters()), rank_batches(rank))
 
 
 def scenario_ddp_compile(rank):
-    results = {}
+    results, lists = {}, model_lists("bfloat16")
     for compile in (False, True):
-        model = DistributedDataParallel(graphamp.rewrite(model_of(), amp_lists=BF16, compile=compile))
-        optimizer = decorated(model.parameters(), BF16)
+        model = DistributedDataParallel(graphamp.rewrite(model_of(), amp_lists=lists, compile=compile))
+        optimizer = decorated(model.parameters(), lists)
         results[compile] = {
             "losses": train(model, optimizer, rank_batches(rank)),
             "parameters": flat(model.parameters()),
@@ -227,7 +232,7 @@ def scenario_fsdp_pattern_naming_one_of_twin_blocks(rank):
 
 def scenario_fsdp_inf_on_rank_1(rank):
     model = sharded(per_block=True)
-    optimizer = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), FP16, init_loss_scaling=1024.0)
+    optimizer = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), model_lists(), init_loss_scaling=1024.0)
     tokens, labels = rank_batches(rank)[0]
     before = flat(model.parameters())
     optimizer.backward(model(tokens, labels))

@@ -456,7 +456,10 @@ def test_decorate_finding_the_model_through_its_parameters_warns_to_pass_model(f
     model = rewritten(fp16)
     with pytest.warns(FutureWarning, match=r"found the rewritten Regression.*model=model"):
         opt = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16)
-    assert model._graphamp.backend.linked_optimizer is opt  # still linked, for now
+    before = [p.detach().clone() for p in model.parameters()]
+    model(*batch(1)).backward()
+    opt.step()  # still linked, for now: the graph scaled the plain backward's gradients (unlinked, step refuses them)
+    assert opt.skipped_steps == 0 and not any(torch.equal(p, b) for p, b in zip(model.parameters(), before))
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
         graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, model=model)

@@ -9,8 +9,6 @@ from graphamp.errors import ListFileError
 from graphamp.diagnosis.list_writer import write_lists
 from graphamp.policy.lists import AutoMixedPrecisionLists, default_lists_dir
 
-FP16 = AutoMixedPrecisionLists(dtype="float16")
-BF16 = AutoMixedPrecisionLists(dtype="bfloat16")
 FILES = ("white.txt", "black.txt", "gray.txt", "black_modules.txt", "promote.txt")
 
 
@@ -48,8 +46,8 @@ def test_the_shipped_lists_read_back_the_same_for_both_dtypes(tmp_path, diagnose
     assert module_names(read_back(folder, dtype)) == module_names(shipped)
 
 
-def test_the_written_files_read_back_without_warnings(tmp_path):
-    folder = write_lists(tmp_path / "mine", FP16, {"softmax": ("white", "fits")}, [("lm_head", "overflows")])
+def test_the_written_files_read_back_without_warnings(fp16, tmp_path):
+    folder = write_lists(tmp_path / "mine", fp16, {"softmax": ("white", "fits")}, [("lm_head", "overflows")])
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -57,8 +55,8 @@ def test_the_written_files_read_back_without_warnings(tmp_path):
         read_back(folder, "bfloat16")
 
 
-def test_the_folder_is_created_and_returned_as_a_path(tmp_path):
-    folder = write_lists(str(tmp_path / "new" / "lists"), FP16)
+def test_the_folder_is_created_and_returned_as_a_path(fp16, tmp_path):
+    folder = write_lists(str(tmp_path / "new" / "lists"), fp16)
 
     assert folder == tmp_path / "new" / "lists"
     assert sorted(p.name for p in folder.iterdir()) == sorted(FILES)
@@ -66,8 +64,8 @@ def test_the_folder_is_created_and_returned_as_a_path(tmp_path):
 
 # -- file layout ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("file", FILES)
-def test_each_file_starts_with_a_header_saying_who_wrote_it_and_how_to_use_it(tmp_path, file):
-    folder = write_lists(tmp_path / "mine", FP16)
+def test_each_file_starts_with_a_header_saying_who_wrote_it_and_how_to_use_it(fp16, tmp_path, file):
+    folder = write_lists(tmp_path / "mine", fp16)
 
     header = (folder / file).read_text().split("\n[", 1)[0]
     assert header.startswith(f"# {file}: ")
@@ -76,16 +74,16 @@ def test_each_file_starts_with_a_header_saying_who_wrote_it_and_how_to_use_it(tm
     assert f"AutoMixedPrecisionLists(lists_dir={str(folder)!r})" in header
 
 
-def test_entries_both_dtypes_share_are_under_all_and_the_others_under_their_dtype(tmp_path):
-    folder = write_lists(tmp_path / "mine", FP16)
+def test_entries_both_dtypes_share_are_under_all_and_the_others_under_their_dtype(fp16, tmp_path):
+    folder = write_lists(tmp_path / "mine", fp16)
 
     assert line_of(folder / "black.txt", "softmax")[0] == "[all]"
     assert line_of(folder / "black.txt", "exp")[0] == "[float16]"  # float16's range only
     assert line_of(folder / "gray.txt", "exp")[0] == "[bfloat16]"
 
 
-def test_entries_are_sorted_within_each_section(tmp_path):
-    folder = write_lists(tmp_path / "mine", FP16)
+def test_entries_are_sorted_within_each_section(fp16, tmp_path):
+    folder = write_lists(tmp_path / "mine", fp16)
 
     for file in FILES[:3]:
         sections = (folder / file).read_text().split("\n[")[1:]
@@ -94,48 +92,48 @@ def test_entries_are_sorted_within_each_section(tmp_path):
             assert names == sorted(names)
 
 
-def test_each_entry_comment_is_where_the_entry_came_from(tmp_path):
-    folder = write_lists(tmp_path / "mine", FP16)
+def test_each_entry_comment_is_where_the_entry_came_from(fp16, tmp_path):
+    folder = write_lists(tmp_path / "mine", fp16)
 
-    for entry in FP16.entries():
+    for entry in fp16.entries():
         assert line_of(folder / f"{entry.color}.txt", entry.name)[1].endswith(f"# {entry.source}")
 
 
 # -- op changes -------------------------------------------------------------------------------------------
-def test_a_change_applies_to_the_diagnosed_dtype_only(tmp_path):
-    folder = write_lists(tmp_path / "mine", FP16, {"softmax": ("white", "error 2e-4")})
+def test_a_change_applies_to_the_diagnosed_dtype_only(bf16, fp16, tmp_path):
+    folder = write_lists(tmp_path / "mine", fp16, {"softmax": ("white", "error 2e-4")})
 
-    assert colors(read_back(folder, "float16")) == colors(FP16) - {("softmax", "black")} | {("softmax", "white")}
-    assert colors(read_back(folder, "bfloat16")) == colors(BF16)
+    assert colors(read_back(folder, "float16")) == colors(fp16) - {("softmax", "black")} | {("softmax", "white")}
+    assert colors(read_back(folder, "bfloat16")) == colors(bf16)
 
 
-def test_a_change_for_bfloat16_leaves_float16_as_it_was(tmp_path):
-    folder = write_lists(tmp_path / "mine", BF16, {"exp": ("black", "overflows")})
+def test_a_change_for_bfloat16_leaves_float16_as_it_was(bf16, fp16, tmp_path):
+    folder = write_lists(tmp_path / "mine", bf16, {"exp": ("black", "overflows")})
 
-    assert colors(read_back(folder, "bfloat16")) == colors(BF16) - {("exp", "gray")} | {("exp", "black")}
-    assert colors(read_back(folder, "float16")) == colors(FP16)
+    assert colors(read_back(folder, "bfloat16")) == colors(bf16) - {("exp", "gray")} | {("exp", "black")}
+    assert colors(read_back(folder, "float16")) == colors(fp16)
     assert line_of(folder / "black.txt", "exp")[0] == "[all]"  # now black in both dtypes
 
 
-def test_a_change_says_its_reason_and_the_color_it_had(tmp_path):
-    folder = write_lists(tmp_path / "mine", FP16, {"softmax": ("white", "error 2e-4")})
+def test_a_change_says_its_reason_and_the_color_it_had(fp16, tmp_path):
+    folder = write_lists(tmp_path / "mine", fp16, {"softmax": ("white", "error 2e-4")})
 
     section, line = line_of(folder / "white.txt", "softmax")
     assert section == "[float16]"
     assert line.endswith("# doctor: error 2e-4 (was black)")
 
 
-def test_an_unlisted_op_gets_an_entry(tmp_path):
-    assert FP16.classify(torch.ops.aten.polar.default) is None
+def test_an_unlisted_op_gets_an_entry(fp16, tmp_path):
+    assert fp16.classify(torch.ops.aten.polar.default) is None
 
-    folder = write_lists(tmp_path / "mine", FP16, {"polar": ("black", "overflows")})
+    folder = write_lists(tmp_path / "mine", fp16, {"polar": ("black", "overflows")})
 
     assert read_back(folder, "float16").classify(torch.ops.aten.polar.default).color == "black"
     assert line_of(folder / "black.txt", "polar")[1].endswith("(was unlisted)")
 
 
-def test_an_overload_change_sits_beside_its_packet_entry(tmp_path):
-    folder = write_lists(tmp_path / "mine", FP16, {"aten::mul.Tensor": ("black", "overflows")})
+def test_an_overload_change_sits_beside_its_packet_entry(fp16, tmp_path):
+    folder = write_lists(tmp_path / "mine", fp16, {"aten::mul.Tensor": ("black", "overflows")})
     lists = read_back(folder, "float16")
 
     assert {("mul.Tensor", "black"), ("mul", "gray")} <= colors(lists)
@@ -144,10 +142,10 @@ def test_an_overload_change_sits_beside_its_packet_entry(tmp_path):
     assert line_of(folder / "black.txt", "mul.Tensor")[1].endswith("(was gray)")  # its packet decided it
 
 
-def test_a_reason_over_several_lines_stays_one_comment(tmp_path):
-    folder = write_lists(tmp_path / "mine", FP16, {"softmax": ("white", "error 2e-4\nmean\n")})
+def test_a_reason_over_several_lines_stays_one_comment(fp16, tmp_path):
+    folder = write_lists(tmp_path / "mine", fp16, {"softmax": ("white", "error 2e-4\nmean\n")})
 
-    assert colors(read_back(folder, "float16")) == colors(FP16) - {("softmax", "black")} | {("softmax", "white")}
+    assert colors(read_back(folder, "float16")) == colors(fp16) - {("softmax", "black")} | {("softmax", "white")}
     assert line_of(folder / "white.txt", "softmax")[1].endswith("# doctor: error 2e-4 mean (was black)")
 
 
@@ -177,49 +175,49 @@ def test_a_black_module_is_added_for_the_diagnosed_dtype_only(tmp_path):
 
 
 # -- safety -----------------------------------------------------------------------------------------------
-def test_the_shipped_folder_is_never_written_over(tmp_path):
+def test_the_shipped_folder_is_never_written_over(fp16, tmp_path):
     shipped = default_lists_dir() / ".." / default_lists_dir().name  # resolves to the shipped folder
 
     with pytest.raises(ListFileError, match="shipped lists, which is never written over; name a new folder"):
-        write_lists(shipped, FP16)
+        write_lists(shipped, fp16)
 
 
-def test_the_folder_the_lists_were_read_from_is_never_written_over(tmp_path):
-    mine = write_lists(tmp_path / "mine", FP16)
+def test_the_folder_the_lists_were_read_from_is_never_written_over(fp16, tmp_path):
+    mine = write_lists(tmp_path / "mine", fp16)
 
     with pytest.raises(ListFileError, match=f"{mine}: is the folder of the lists read.*name a new folder"):
         write_lists(mine, read_back(mine, "float16"), overwrite=True)
 
 
-def test_an_existing_list_file_is_kept_unless_overwrite_is_passed(tmp_path):
-    folder = write_lists(tmp_path / "mine", FP16)
+def test_an_existing_list_file_is_kept_unless_overwrite_is_passed(fp16, tmp_path):
+    folder = write_lists(tmp_path / "mine", fp16)
     before = (folder / "white.txt").read_text()
 
     with pytest.raises(ListFileError, match="white.txt: already exists; pass overwrite=True"):
-        write_lists(folder, FP16, {"softmax": ("white", "fits")})
+        write_lists(folder, fp16, {"softmax": ("white", "fits")})
     assert (folder / "white.txt").read_text() == before
 
 
-def test_overwrite_replaces_the_files(tmp_path):
-    folder = write_lists(tmp_path / "mine", FP16)
+def test_overwrite_replaces_the_files(fp16, tmp_path):
+    folder = write_lists(tmp_path / "mine", fp16)
 
-    write_lists(folder, FP16, {"softmax": ("white", "fits")}, overwrite=True)
+    write_lists(folder, fp16, {"softmax": ("white", "fits")}, overwrite=True)
 
     assert ("softmax", "white") in colors(read_back(folder, "float16"))
 
 
-def test_a_change_to_an_unknown_color_is_refused_before_writing(tmp_path):
+def test_a_change_to_an_unknown_color_is_refused_before_writing(fp16, tmp_path):
     with pytest.raises(ListFileError, match="'softmax': color 'red' is not one of white, black, gray"):
-        write_lists(tmp_path / "mine", FP16, {"softmax": ("red", "why")})
+        write_lists(tmp_path / "mine", fp16, {"softmax": ("red", "why")})
     assert not (tmp_path / "mine").exists()
 
 
-def test_a_change_to_an_unknown_op_is_refused_before_writing(tmp_path):
+def test_a_change_to_an_unknown_op_is_refused_before_writing(fp16, tmp_path):
     with pytest.raises(ListFileError, match="op change 'softmx': unknown op 'softmx'.*'softmax'"):
-        write_lists(tmp_path / "mine", FP16, {"softmx": ("white", "why")})
+        write_lists(tmp_path / "mine", fp16, {"softmx": ("white", "why")})
     assert not (tmp_path / "mine").exists()
 
 
-def test_a_module_pattern_that_cannot_be_a_list_line_is_refused(tmp_path):
+def test_a_module_pattern_that_cannot_be_a_list_line_is_refused(fp16, tmp_path):
     with pytest.raises(ListFileError, match="'encoder layer' cannot be a list line"):
-        write_lists(tmp_path / "mine", FP16, black_modules=[("encoder layer", "why")])
+        write_lists(tmp_path / "mine", fp16, black_modules=[("encoder layer", "why")])

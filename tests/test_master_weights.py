@@ -9,10 +9,8 @@ import torch
 from torch import nn
 
 import graphamp
-from graphamp import ArgumentError, AutoMixedPrecisionLists
+from graphamp import ArgumentError
 from graphamp.policy import dtypes
-
-BF16 = AutoMixedPrecisionLists(dtype="bfloat16")
 
 
 class ConvNet(nn.Module):
@@ -32,50 +30,52 @@ def convnet_and_batch():
     return ConvNet(), torch.randn(8, 1, 8, 8)
 
 
-def rewritten_convnet():
+@pytest.fixture
+def rewritten_convnet(bf16):
+    """(the ConvNet rewritten for bfloat16, its batch)."""
     model, x = convnet_and_batch()
-    return graphamp.rewrite(model, (x,), amp_lists=BF16), x
+    return graphamp.rewrite(model, (x,), amp_lists=bf16), x
 
 
-def test_rewrite_returns_the_model_itself_with_its_parameters_and_buffers():
+def test_rewrite_returns_the_model_itself_with_its_parameters_and_buffers(bf16):
     model, x = convnet_and_batch()
     parameters, buffers = [id(p) for p in model.parameters()], [id(b) for b in model.buffers()]
-    assert graphamp.rewrite(model, (x,), amp_lists=BF16) is model
+    assert graphamp.rewrite(model, (x,), amp_lists=bf16) is model
     assert type(model) is ConvNet
     assert [id(p) for p in model.parameters()] == parameters
     assert [id(b) for b in model.buffers()] == buffers
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
-def test_an_optimizer_built_before_rewrite_updates_the_model():
+def test_an_optimizer_built_before_rewrite_updates_the_model(bf16):
     model, x = convnet_and_batch()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     before = model.fc.weight.detach().clone()
-    graphamp.rewrite(model, (x,), amp_lists=BF16)
+    graphamp.rewrite(model, (x,), amp_lists=bf16)
     model(x).square().mean().backward()
     optimizer.step()
     assert not torch.equal(model.fc.weight, before)
 
 
-def test_gradients_arrive_in_fp32_on_every_parameter():
-    model, x = rewritten_convnet()
+def test_gradients_arrive_in_fp32_on_every_parameter(rewritten_convnet):
+    model, x = rewritten_convnet
     model(x).square().mean().backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
 
 
-def test_frozen_parameters_get_no_gradient_and_the_others_train():
+def test_frozen_parameters_get_no_gradient_and_the_others_train(bf16):
     model, x = convnet_and_batch()
     model.stem.requires_grad_(False)  # a frozen part (a LoRA base, say)
-    graphamp.rewrite(model, (x,), amp_lists=BF16)
+    graphamp.rewrite(model, (x,), amp_lists=bf16)
     model(x).square().mean().backward()
     assert all(p.grad is None for p in model.stem.parameters())
     assert all(p.grad is not None for p in model.fc.parameters())
 
 
-def test_state_dict_has_the_fp32_models_keys_and_loads_into_a_fresh_model():
+def test_state_dict_has_the_fp32_models_keys_and_loads_into_a_fresh_model(bf16):
     model, x = convnet_and_batch()
     keys = list(model.state_dict())
-    graphamp.rewrite(model, (x,), amp_lists=BF16)
+    graphamp.rewrite(model, (x,), amp_lists=bf16)
     model(x).square().mean().backward()
     state = model.state_dict()
     assert list(state) == keys
@@ -85,8 +85,8 @@ def test_state_dict_has_the_fp32_models_keys_and_loads_into_a_fresh_model():
         assert torch.equal(tensor, model.state_dict()[name]), name
 
 
-def test_load_state_dict_into_the_rewritten_model_is_seen_at_the_next_call():
-    model, x = rewritten_convnet()
+def test_load_state_dict_into_the_rewritten_model_is_seen_at_the_next_call(rewritten_convnet):
+    model, x = rewritten_convnet
     other = ConvNet()
     model.load_state_dict(other.state_dict())
     assert torch.equal(model.fc.weight, other.fc.weight)
@@ -96,10 +96,10 @@ def test_load_state_dict_into_the_rewritten_model_is_seen_at_the_next_call():
     torch.testing.assert_close(model(x), expected, rtol=3e-2, atol=3e-2)
 
 
-def test_batch_norm_statistics_update_as_in_the_fp32_model():
+def test_batch_norm_statistics_update_as_in_the_fp32_model(bf16):
     model, x = convnet_and_batch()
     reference = copy.deepcopy(model)
-    graphamp.rewrite(model, (x,), amp_lists=BF16)
+    graphamp.rewrite(model, (x,), amp_lists=bf16)
     for _ in range(3):
         model(x)
         reference(x)
@@ -111,15 +111,15 @@ def test_batch_norm_statistics_update_as_in_the_fp32_model():
             torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=2e-2)
 
 
-def test_buffers_stay_fp32_after_training_steps():
-    model, x = rewritten_convnet()
+def test_buffers_stay_fp32_after_training_steps(rewritten_convnet):
+    model, x = rewritten_convnet
     model(x).square().mean().backward()
     float_buffers = [b for b in model.buffers() if b.is_floating_point()]
     assert float_buffers and all(b.dtype == torch.float32 for b in float_buffers)
 
 
-def test_eval_mode_leaves_batch_norm_statistics_alone():
-    model, x = rewritten_convnet()
+def test_eval_mode_leaves_batch_norm_statistics_alone(rewritten_convnet):
+    model, x = rewritten_convnet
     model.eval()
     before = {n: b.clone() for n, b in model.named_buffers()}
     with torch.no_grad():
@@ -139,11 +139,11 @@ def mlp_batch(seed=0):
     return torch.randn(8, 16, generator=torch.Generator().manual_seed(seed))
 
 
-def output_after(change):
+def output_after(change, amp_lists):
     """The rewritten MLP's output before and after `change(model)`, and a fresh copy's on the changed weights (a
     deepcopy of a rewritten model is rewritten, with graphs of its own)."""
     model, x = mlp(), mlp_batch()
-    graphamp.rewrite(model, (x,), amp_lists=BF16)
+    graphamp.rewrite(model, (x,), amp_lists=amp_lists)
     before = model(x)
     change(model)
     return before, model(x), copy.deepcopy(model)(x)
@@ -171,17 +171,17 @@ def load_other_weights(model):
     "change", [double_under_no_grad, write_through_data, replace_data, load_other_weights],
     ids=["in_place_write", "write_through_data", "data_replaced", "load_state_dict"],
 )
-def test_a_write_to_the_weights_is_seen_at_the_next_call(change):
-    before, after, fresh = output_after(change)
+def test_a_write_to_the_weights_is_seen_at_the_next_call(bf16, change):
+    before, after, fresh = output_after(change, bf16)
     assert not torch.equal(after, before)
     assert torch.equal(after, fresh)
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
-def test_each_optimizer_step_is_seen_at_the_next_call(fused):
+def test_each_optimizer_step_is_seen_at_the_next_call(bf16, fused):
     """A fused step writes the weights in its kernel without the version counter's bump: the graph reads them still."""
     model, x = mlp(), mlp_batch()
-    graphamp.rewrite(model, (x,), amp_lists=BF16)
+    graphamp.rewrite(model, (x,), amp_lists=bf16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
     for _ in range(2):
         before = model(x)
@@ -193,9 +193,9 @@ def test_each_optimizer_step_is_seen_at_the_next_call(fused):
         assert torch.equal(after, copy.deepcopy(model)(x))
 
 
-def test_functional_call_with_other_tensors_runs_on_them():
+def test_functional_call_with_other_tensors_runs_on_them(bf16):
     model, x = mlp(), mlp_batch()
-    graphamp.rewrite(model, (x,), amp_lists=BF16)
+    graphamp.rewrite(model, (x,), amp_lists=bf16)
     model(x)
     doubled = {name: p.detach() * 2 for name, p in model.named_parameters()}
     ours = torch.func.functional_call(model, doubled, (x,))
@@ -205,11 +205,11 @@ def test_functional_call_with_other_tensors_runs_on_them():
     assert not torch.equal(ours, model(x))  # the model's own weights are untouched
 
 
-def test_a_call_under_inference_mode_leaves_training_gradients_alone():
+def test_a_call_under_inference_mode_leaves_training_gradients_alone(bf16):
     model, x = mlp(), mlp_batch()
     reference = copy.deepcopy(model)
-    graphamp.rewrite(model, (x,), amp_lists=BF16)
-    graphamp.rewrite(reference, (x,), amp_lists=BF16)
+    graphamp.rewrite(model, (x,), amp_lists=bf16)
+    graphamp.rewrite(reference, (x,), amp_lists=bf16)
     with torch.inference_mode():
         model(x)
     model(x).square().mean().backward()
@@ -217,12 +217,12 @@ def test_a_call_under_inference_mode_leaves_training_gradients_alone():
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), reference.parameters()))
 
 
-def test_weight_cache_argument_is_deprecated_and_changes_nothing():
+def test_weight_cache_argument_is_deprecated_and_changes_nothing(bf16):
     model, x = mlp(), mlp_batch()
     reference = copy.deepcopy(model)
-    graphamp.rewrite(reference, (x,), amp_lists=BF16)
+    graphamp.rewrite(reference, (x,), amp_lists=bf16)
     with pytest.warns(DeprecationWarning, match=r"rewrite\(weight_cache=...\) is ignored"):
-        graphamp.rewrite(model, (x,), amp_lists=BF16, weight_cache=True)
+        graphamp.rewrite(model, (x,), amp_lists=bf16, weight_cache=True)
     assert torch.equal(model(x), reference(x))
 
 
@@ -234,15 +234,14 @@ def test_rewrite_refuses_half_precision_parameters():
         graphamp.rewrite(nn.Linear(4, 4).half(), (torch.randn(2, 4, dtype=torch.float16),))
 
 
-def test_rewriting_a_rewritten_model_is_refused():
-    model = graphamp.rewrite(nn.Linear(4, 4), (torch.randn(2, 4),), amp_lists=BF16)
+def test_rewriting_a_rewritten_model_is_refused(bf16):
+    model = graphamp.rewrite(nn.Linear(4, 4), (torch.randn(2, 4),), amp_lists=bf16)
     with pytest.raises(ValueError, match="already rewritten"):
         graphamp.rewrite(model, (torch.randn(2, 4),))
 
 
-def test_float16_on_cpu_warns_once_and_names_bfloat16(monkeypatch):
+def test_float16_on_cpu_warns_once_and_names_bfloat16(fp16, monkeypatch):
     monkeypatch.setattr(dtypes, "_warned_float16_on_cpu", False)
-    fp16 = AutoMixedPrecisionLists(dtype="float16")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):

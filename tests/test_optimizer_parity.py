@@ -67,8 +67,11 @@ def test_deepcopy_trained_with_its_own_optimizer_uses_its_own_loss_scaling(fp16)
 def test_shallow_copy_of_the_optimizer_leaves_the_models_link_alone(fp16):
     model = rewritten(fp16)
     opt = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, model=model)
-    copy.copy(opt)
-    assert model._graphamp.backend.linked_optimizer is opt
+    copy.copy(opt)  # dropped at once: had it taken the link, the link would be gone with it
+    before = weights(model)
+    model(*batch(1)).backward()
+    opt.step()  # accepted: the model's graph scaled the plain backward's gradients by opt's loss scaling
+    assert opt.skipped_steps == 0 and not any(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
 # -- steps without gradients --------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ def test_rewrite_of_a_peft_model_is_refused_with_the_recipe(bf16):
                                                      r"graphamp\.rewrite\(base_model, \.\.\.\), then "
                                                      r"peft\.get_peft_model\(base_model, config\)"):
         graphamp.rewrite(lora, amp_lists=bf16)
-    assert getattr(lora.get_base_model(), "_graphamp", None) is None  # refused before converting anything
+    assert not graphamp.is_rewritten(lora.get_base_model())  # refused before converting anything
 
 
 def test_the_model_inside_a_peft_model_is_not_refused(bf16):
