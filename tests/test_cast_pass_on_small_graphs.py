@@ -499,6 +499,19 @@ def test_each_pass_is_logged_by_its_name_at_debug(bf16, caplog):
     assert [m.split()[2].rstrip(":") for m in logged] == ["cast", *(name for name, _ in PASSES_AFTER_CASTS)]
 
 
+
+@pytest.mark.parametrize("disabled", ["REMOVE_BROADCAST", "CAST", "GROUPED_QUERY_ATTENTION"])
+def test_inductors_disabled_passes_never_skip_the_cast_pass_and_the_log_says_what_was_skipped(bf16, caplog, disabled):
+    """inductor's disabled_passes is a substring test over pass names: "REMOVE_BROADCAST" names "cast". The cast
+    pass is the policy, so it runs whatever the list says; the passes after it are skipped by their own name."""
+    graph_module = traced(linear_then(torch.relu), *x_and_w())
+    with torch._inductor.config.patch(disabled_passes=disabled), caplog.at_level(logging.DEBUG, "graphamp.passes"):
+        report = run_passes(graph_module, AmpConfig(bf16))
+    assert report.decisions == Counter({"white": 1, "gray": 1})
+    assert casts_of(graph_module)
+    skipped = [m.split()[2].rstrip(":") for r in caplog.records if "disabled" in (m := r.getMessage())]
+    assert skipped == (["grouped_query_attention"] if disabled == "GROUPED_QUERY_ATTENTION" else [])
+
 def attention_over_repeated_heads(q, k, v, mask):
     """transformers' repeat_kv (unsqueeze, expand, reshape) of each key/value head for its group, then SDPA."""
     batch, kv_heads, sequence, head_dim = k.shape
