@@ -67,6 +67,8 @@ _UNKNOWN = object()
 _HALF = frozenset(HALF_DTYPES)
 _FOLLOWS_INPUTS = (GRAY, Decision.UNLISTED)  # a module constant: an enum member read off its class costs ~0.2 µs
 _DTYPE = operator.attrgetter("dtype")
+# runs_low_on per (op, device, dtype), remembered: it reads device.type (~0.2 µs a read) on every normalization call.
+_runs_low_on = functools.lru_cache(maxsize=None)(runs_low_on)
 _FLOATING = frozenset(d for d in vars(torch).values() if isinstance(d, torch.dtype) and d.is_floating_point)
 # Bound once: each is asked on every torch call, and an attribute chain costs more than the call.
 _is_compiling = torch.compiler.is_compiling
@@ -271,7 +273,7 @@ class EagerPolicy(TorchFunctionMode):
         if target == torch.float32 and follows_inputs and not (rule.promotes or rule.same_dtype) and \
                 self._promotes_to_fp32(func, args, kwargs):
             return args, kwargs  # add(bf16, fp32) computes in FP32 inside the kernel: a cast would only cost
-        if target == self.low and rule.norm and not runs_low_on(rule.op, floats[0].device, self.low):
+        if target == self.low and rule.norm and not _runs_low_on(rule.op, floats[0].device, self.low):
             target = torch.float32  # this device's norm kernel wants X in its parameters' dtype
         if target == torch.float32 and decision == BLACK:
             for tensor in floats:
@@ -377,9 +379,8 @@ def _only_dtypes(allowed: frozenset, values) -> bool:
 def _norm_data_kept(op: str, low: torch.dtype, values) -> bool:
     """Whether a normalization's data (its first tensor) is float32, or low where this device's kernel takes low data
     with FP32 parameters."""
-    tensors = _all_tensors(values, None)
-    data = tensors[0] if tensors else None
-    return data is None or data.dtype == torch.float32 or (data.dtype == low and runs_low_on(op, data.device, low))
+    data = _first_tensor(values)
+    return data is None or data.dtype == torch.float32 or (data.dtype == low and _runs_low_on(op, data.device, low))
 
 
 def _one_floating_dtype(values) -> bool:
@@ -452,6 +453,18 @@ def _all_tensors(args, kwargs) -> list[torch.Tensor]:
     return tensors
 
 
+def _first_tensor(values) -> torch.Tensor | None:
+    """The first tensor among the values, one level into lists and tuples: a normalization's data."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            return value
+        if isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, torch.Tensor):
+                    return item
+    return None
+
+
 def _deciding_dtypes(floats: list[torch.Tensor]) -> list[torch.dtype]:
     """The dtypes that decide a gray op: its floating inputs' but a 0-dim tensor's (as in torch's type promotion),
     unless it has no other."""
@@ -480,8 +493,7 @@ def _map_inputs(args, kwargs, rule: _Rule, cast):
     first = args[0] if rule.writes_first and args else None
     data = None
     if rule.norm:
-        tensors = _all_tensors(args, kwargs)
-        data = tensors[0] if tensors else None
+        data = _first_tensor((*args, *kwargs.values()))
 
     def one(value):
         if isinstance(value, torch.Tensor):
