@@ -151,7 +151,8 @@ def tracing_on_fake_tensors() -> bool:
     return _get_dispatch_mode(_FAKE_MODE) is not None
 
 
-_get_dispatch_mode, _FAKE_MODE = torch._C._get_dispatch_mode, torch._C._TorchDispatchModeKey.FAKE  # bound: asked per call
+# bound once: the eager policy asks it on every call it may cast
+_get_dispatch_mode, _FAKE_MODE = torch._C._get_dispatch_mode, torch._C._TorchDispatchModeKey.FAKE
 
 
 def tracing_context():

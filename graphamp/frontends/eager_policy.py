@@ -69,12 +69,16 @@ _FOLLOWS_INPUTS = (GRAY, Decision.UNLISTED)  # a module constant: an enum member
 _DTYPE = operator.attrgetter("dtype")
 # runs_low_on per (op, device, dtype), remembered: it reads device.type (~0.2 µs a read) on every normalization call.
 _runs_low_on = functools.lru_cache(maxsize=None)(runs_low_on)
+# Every floating dtype torch names: a black op keeps its inputs when their dtypes are all in _FLOATING - _HALF.
 _FLOATING = frozenset(d for d in vars(torch).values() if isinstance(d, torch.dtype) and d.is_floating_point)
 # Bound once: each is asked on every torch call, and an attribute chain costs more than the call.
 _is_compiling = torch.compiler.is_compiling
-_increment_autocast_nesting, _decrement_autocast_nesting = torch.autocast_increment_nesting, torch.autocast_decrement_nesting
+_increment_autocast_nesting = torch.autocast_increment_nesting
+_decrement_autocast_nesting = torch.autocast_decrement_nesting
 # The casts as Tensor methods: x.bfloat16() parses one signature, x.to(dtype) tries several (~0.9 µs less per cast).
-_CAST_METHODS = {torch.float16: torch.Tensor.half, torch.bfloat16: torch.Tensor.bfloat16, torch.float32: torch.Tensor.float}
+_CAST_METHODS = {
+    torch.float16: torch.Tensor.half, torch.bfloat16: torch.Tensor.bfloat16, torch.float32: torch.Tensor.float,
+}
 
 
 @dataclass(frozen=True)
@@ -485,7 +489,8 @@ def _floating_inputs(args, kwargs, rule: _Rule) -> list[torch.Tensor]:
             if value.dtype.is_floating_point and value is not target:
                 tensors.append(value)
         elif isinstance(value, (list, tuple)):
-            tensors += [t for t in value if isinstance(t, torch.Tensor) and t.dtype.is_floating_point and t is not target]
+            tensors += [t for t in value
+                        if isinstance(t, torch.Tensor) and t.dtype.is_floating_point and t is not target]
     return tensors[:1] if rule.norm else tensors
 
 
