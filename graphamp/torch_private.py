@@ -142,7 +142,11 @@ def tracing_on_fake_tensors() -> bool:
     """Whether a FakeTensorMode is active: torch is tracing (torch.cond's branches, make_fx), not running the model;
     graphamp's eager policy leaves traced calls alone. Pinned by tests/test_eager_policy.py
     (test_auto_cast_decides_like_the_cast_pass[regions])."""
-    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+    return _get_dispatch_mode(_FAKE_MODE) is not None
+
+
+# bound once: the eager policy asks it on every call it may cast
+_get_dispatch_mode, _FAKE_MODE = torch._C._get_dispatch_mode, torch._C._TorchDispatchModeKey.FAKE
 
 
 def tracing_context():

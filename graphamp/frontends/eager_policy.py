@@ -18,11 +18,14 @@ dispatch mode) runs under it. rewrite() enters it around every call of the conve
 from __future__ import annotations
 
 import contextlib
+import functools
+import operator
 import sys
 import threading
 import types
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -61,7 +64,21 @@ _OPERATOR_OPS = {"truediv": "div", "div": "div", "floordiv": "floor_divide", "mo
 _FOLLOWED_MODULES = ("torch.nn.functional", "torch.functional")
 _FOLLOW = object()
 _UNKNOWN = object()
-_HALF = set(HALF_DTYPES)
+_HALF = frozenset(HALF_DTYPES)
+_FOLLOWS_INPUTS = (GRAY, Decision.UNLISTED)  # a module constant: an enum member read off its class costs ~0.2 µs
+_DTYPE = operator.attrgetter("dtype")
+# runs_low_on per (op, device, dtype), remembered: it reads device.type (~0.2 µs a read) on every normalization call.
+_runs_low_on = functools.lru_cache(maxsize=None)(runs_low_on)
+# Every floating dtype torch names: a black op keeps its inputs when their dtypes are all in _FLOATING - _HALF.
+_FLOATING = frozenset(d for d in vars(torch).values() if isinstance(d, torch.dtype) and d.is_floating_point)
+# Bound once: each is asked on every torch call, and an attribute chain costs more than the call.
+_is_compiling = torch.compiler.is_compiling
+_increment_autocast_nesting = torch.autocast_increment_nesting
+_decrement_autocast_nesting = torch.autocast_decrement_nesting
+# The casts as Tensor methods: x.bfloat16() parses one signature, x.to(dtype) tries several (~0.9 µs less per cast).
+_CAST_METHODS = {
+    torch.float16: torch.Tensor.half, torch.bfloat16: torch.Tensor.bfloat16, torch.float32: torch.Tensor.float,
+}
 
 
 @dataclass(frozen=True)
@@ -76,6 +93,10 @@ class _Rule:
     dtype_argument: bool  # a black op that computes in float32 inside when passed dtype=float32 (softmax, sum)
     promotes: bool  # promote.txt: mixed inputs are cast to the widest
     same_dtype: bool  # index_copy_ and the like: the kernel wants the source in its target's dtype
+    plain: bool  # neither in-place nor a normalization: a white call casts every floating input down
+    # Bound once for the hot path: whether the rule casts none of a call's input values (args, then kwargs), told
+    # from their dtypes alone.
+    keeps: Callable[[tuple], bool]
 
 
 class _Rules:
@@ -107,8 +128,22 @@ class _Rules:
             argument.name == "dtype" for schema in _schemas(packet) for argument in schema.arguments
         )
         writes_first = name.endswith("_") and not name.startswith("_")
-        return _Rule(decision, source, name, writes_first, name in NORM_OPS, dtype_argument, lists.promotes_packet(name),
-                     name in SAME_DTYPE_OPS)
+        norm = name in NORM_OPS
+        return _Rule(decision, source, name, writes_first, norm, dtype_argument, lists.promotes_packet(name),
+                     name in SAME_DTYPE_OPS, not (writes_first or norm), _keeps(decision, name, norm, self.config))
+
+
+def _keeps(decision: str, op: str, norm: bool, config: AmpConfig):
+    """The test, on a call's input values, that the rule casts none of them: a white op on low (or float64) inputs, a
+    black op on no low input, a gray op (O1) whose floating inputs share one dtype, a normalization (O1) whose data
+    need no cast. One loop that stops at the first input it would cast: it runs on every torch call."""
+    if norm and decision in _FOLLOWS_INPUTS and config.level == "O1":
+        return functools.partial(_norm_data_kept, op, config.dtype)
+    if decision is WHITE:
+        return functools.partial(_only_dtypes, frozenset({config.dtype, torch.float64}))
+    if decision is BLACK:
+        return functools.partial(_only_dtypes, _FLOATING - _HALF)
+    return _one_floating_dtype if config.level == "O1" else _never
 
 
 def _op_name(function) -> str | None:
@@ -159,10 +194,13 @@ class EagerPolicy(TorchFunctionMode):
         self.level = rules.config.level
         self.enabled = enabled
         self._model = model_facts or ModelFacts()
-        # (id, dtype) -> (weight, its version, its cast): as torch.autocast caches a weight's cast for its context
-        self._weight_casts: dict[tuple, tuple] = {}
-        self._to_low = self._caster(self.low, self._model.kept_fp32)
-        self._low_or_float64 = frozenset({self.low, torch.float64})
+        # Without black-module patterns a call's decision is its rule's alone: the hot path can skip the stack walk.
+        self._by_op_alone = not self._model.black_modules
+        # target dtype -> {id(weight): (weight, its version, its cast)}: as torch.autocast caches a weight's cast
+        # for its context
+        self._weight_casts: dict[torch.dtype, dict[int, tuple]] = {}
+        self._casters: dict = {}  # target dtype -> its cast (_cast_to)
+        self._to_low = self._cast_to(self.low)
         self._autocast_nesting = 0
 
     def __enter__(self):
@@ -175,24 +213,28 @@ class EagerPolicy(TorchFunctionMode):
     def __exit__(self, *exc):
         if not self.enabled:
             return False
-        self._weight_casts.clear()
+        for casts in self._weight_casts.values():
+            casts.clear()  # each caster holds its own dict: emptied, not replaced
         return super().__exit__(*exc)
 
     @never_a_frame_of_its_own
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
         # While dynamo traces, the cast pass decides what it captures; checked before any state is read, so that
         # dynamo inlines nothing of this mode but the call.
-        if torch.compiler.is_compiling() and dynamo_traces_this_thread():
-            return func(*args, **kwargs)
+        if _is_compiling() and dynamo_traces_this_thread():
+            return func(*args, **(kwargs or {}))
         rule = self._by_function.get(func, _UNKNOWN)
         if rule is _UNKNOWN:
             rule = self._rules.rule_for(func)
-        if rule is None or _lifted.depth:
-            return func(*args, **kwargs)
-        if rule is not _FOLLOW and not self._model.black_modules and self._nothing_to_cast(rule, args, kwargs):
-            return func(*args, **kwargs)  # the common case, decided from the input dtypes alone
-        if tracing_on_fake_tensors():
+        if rule is None or (self._by_op_alone and rule is not _FOLLOW and
+                            rule.keeps((*args, *kwargs.values()) if kwargs else args)):
+            # the common case, decided from the input dtypes alone (torch passes kwargs=None for a positional call)
+            return func(*args, **kwargs) if kwargs else func(*args)
+        return self._run_cast(func, rule, args, kwargs or {})
+
+    def _run_cast(self, func, rule, args, kwargs):
+        """A call whose inputs the rule may cast: the rest of the rule, in order."""
+        if _lifted.depth or tracing_on_fake_tensors():
             return func(*args, **kwargs)
         if rule is _FOLLOW:
             return self._follow(func, args, kwargs)
@@ -203,12 +245,14 @@ class EagerPolicy(TorchFunctionMode):
         if _autocast_nesting() != self._autocast_nesting and self._in_autocast_region(args):
             return func(*args, **kwargs)  # the model's torch.autocast(enabled=False) region: as written
         decision = rule.decision
-        if self._model.black_modules and self._model.black_module_running() is not None:
+        if not self._by_op_alone and self._model.black_module_running() is not None:
             decision = BLACK
-        elif decision is WHITE and not kwargs and not any(type(a) is list or type(a) is tuple for a in args):
+        elif decision is WHITE and not kwargs and _hot_path_fits(rule, args):
             # the hot path (a GEMM or convolution on positional tensors): each float32 input cast down, nothing else
-            to_low = self._to_low
-            return func(*[to_low(a) if isinstance(a, torch.Tensor) else a for a in args])
+            to_low, cast = self._to_low, []
+            for value in args:  # a loop: a comprehension costs a frame more on every call
+                cast.append(to_low(value) if isinstance(value, torch.Tensor) else value)
+            return func(*cast)
         if "dtype" in kwargs and isinstance(kwargs["dtype"], torch.dtype) and kwargs["dtype"].is_floating_point:
             return func(*args, **kwargs)  # softmax(x, dtype=torch.float32): the model chose the dtype
         out = kwargs.get("out")
@@ -221,73 +265,68 @@ class EagerPolicy(TorchFunctionMode):
         return func(*args, **kwargs)
 
     # -- deciding --------------------------------------------------------------------------------------------
-    def _nothing_to_cast(self, rule: _Rule, args, kwargs) -> bool:
-        """Whether the rule leaves every input as it is, told from their floating dtypes: a white op on low inputs,
-        a black op on no low input, a gray op (O1) whose inputs share one dtype, or a normalization (O1) whose data
-        is float32, or low where this device's kernel takes low data with FP32 parameters."""
-        decision = rule.decision
-        if rule.norm and decision in (GRAY, Decision.UNLISTED) and self.level == "O1":
-            data = next(_all_tensors(args, kwargs), None)
-            return data is None or data.dtype == torch.float32 or (
-                data.dtype == self.low and runs_low_on(rule.op, data.device, self.low))
-        dtypes = _floating_dtypes(args, kwargs)
-        if decision is WHITE:
-            return dtypes <= self._low_or_float64
-        if decision is BLACK:
-            return not dtypes & _HALF
-        return self.level == "O1" and len(dtypes) <= 1
-
     def _cast_inputs(self, func, rule: _Rule, decision: str, args, kwargs):
         floats = _floating_inputs(args, kwargs, rule)
         if not floats:
             return args, kwargs
-        deciding = [t for t in floats if t.dim() > 0] or floats
-        target = cast_target(decision, self.level, self.low, [t.dtype for t in deciding])
+        follows_inputs = decision in _FOLLOWS_INPUTS
+        # only a gray op's inputs decide (white and black name their dtype)
+        target = cast_target(decision, self.level, self.low, _deciding_dtypes(floats) if follows_inputs else [])
         if target is None:
             return args, kwargs
-        follows_inputs = decision in (GRAY, Decision.UNLISTED)
         if target == torch.float32 and follows_inputs and not (rule.promotes or rule.same_dtype) and \
                 self._promotes_to_fp32(func, args, kwargs):
             return args, kwargs  # add(bf16, fp32) computes in FP32 inside the kernel: a cast would only cost
-        if target == self.low and rule.norm and not runs_low_on(rule.op, floats[0].device, self.low):
+        if target == self.low and rule.norm and not _runs_low_on(rule.op, floats[0].device, self.low):
             target = torch.float32  # this device's norm kernel wants X in its parameters' dtype
         if target == torch.float32 and decision == BLACK:
-            low = [t for t in floats if t.dtype in HALF_DTYPES]
-            if not low:
-                return args, kwargs
+            for tensor in floats:
+                if tensor.dtype in _HALF:
+                    break
+            else:
+                return args, kwargs  # no low input
             if rule.dtype_argument and "dtype" not in kwargs:
                 return args, {**kwargs, "dtype": torch.float32}  # the kernel reads low X and computes in float32
-        skip = self._model.kept_fp32 if target == self.low else ()
-        cast = self._caster(target, skip)
-        return _map_inputs(args, kwargs, rule, cast)
+        return _map_inputs(args, kwargs, rule, self._cast_to(target))
+
+    def _cast_to(self, target: torch.dtype):
+        """The cast to `target` of the lists' rule, made once per policy (O2's norm parameters stay FP32)."""
+        cast = self._casters.get(target)
+        if cast is None:
+            cast = self._casters[target] = self._caster(target, self._model.kept_fp32 if target == self.low else ())
+        return cast
 
     def _caster(self, target: torch.dtype, kept: set):
+        """The cast of one input to `target`: only float32 down to low (as torch.autocast), any other floating dtype
+        but float64 up to float32; a weight's cast made once per context and version."""
+        weight_casts = self._weight_casts.setdefault(target, {})
+        convert = _CAST_METHODS.get(target) or (lambda tensor: tensor.to(target))
         low_target = target in HALF_DTYPES
-        weight_casts = self._weight_casts
         float32, float64 = torch.float32, torch.float64
 
         def cast(tensor: torch.Tensor) -> torch.Tensor:
             dtype = tensor.dtype
-            if dtype is target or dtype is float64 or not dtype.is_floating_point:
+            if low_target:
+                if dtype is not float32 or (kept and id(tensor) in kept):
+                    return tensor  # O2's norm parameters (kept) stay FP32
+            elif dtype is target or dtype is float64 or not dtype.is_floating_point:
                 return tensor
-            if low_target and (dtype is not float32 or id(tensor) in kept):
-                return tensor  # only float32 is cast down, as torch.autocast does; O2's norm parameters stay
             if tensor.requires_grad and tensor.is_leaf:  # a weight: cast once per context, as torch.autocast
-                cached = weight_casts.get((id(tensor), target))
+                cached = weight_casts.get(id(tensor))
                 version = tensor_version(tensor)
                 if cached is not None and cached[0] is tensor and cached[1] == version:
                     return cached[2]
-                result = tensor.to(target)
-                weight_casts[(id(tensor), target)] = (tensor, version, result)
+                result = convert(tensor)
+                weight_casts[id(tensor)] = (tensor, version, result)
                 return result
-            return tensor.to(target)
+            return convert(tensor)
 
         return cast
 
     def _promotes_to_fp32(self, func, args, kwargs) -> bool:
         """Whether torch's type promotion runs this call in FP32 on its mixed inputs as they are (asked once per
         function and input dtypes, on meta tensors)."""
-        key = (func, tuple(t.dtype for t in _all_tensors(args, kwargs)))
+        key = (func, *map(_DTYPE, _all_tensors(args, kwargs)))
         known = self._rules.promotion.get(key)
         if known is None:
             known = self._rules.promotion[key] = _promotes_on_meta(func, args, kwargs)
@@ -296,7 +335,7 @@ class EagerPolicy(TorchFunctionMode):
     def _in_autocast_region(self, args) -> bool:
         """Inside a torch.autocast region the model's code entered: disabled, its ops run as written; enabled
         (accelerate's mixed_precision wraps forward in one), two AMP systems: refused as the cast pass refuses it."""
-        devices = {t.device.type for t in _all_tensors(args, {})} or {"cpu"}
+        devices = {t.device.type for t in _all_tensors(args, None)} or {"cpu"}
         if any(torch.amp.autocast_mode.is_autocast_available(d) and torch.is_autocast_enabled(d) for d in devices):
             raise DoubleAmpError(
                 "the model's code turns torch.autocast on inside graphamp's policy: two AMP systems are on, and "
@@ -327,6 +366,40 @@ def _unchecked_globals(module_globals: dict) -> dict:
 
 def _never(*_args) -> bool:
     return False
+
+
+def _only_dtypes(allowed: frozenset, values) -> bool:
+    """Whether every floating tensor among the values (one level into lists) has a dtype in `allowed`."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            if value.dtype not in allowed and value.dtype.is_floating_point:
+                return False
+        elif (type(value) is list or type(value) is tuple) and not _only_dtypes(
+                allowed, [item for item in value if isinstance(item, torch.Tensor)]):
+            return False
+    return True
+
+
+def _norm_data_kept(op: str, low: torch.dtype, values) -> bool:
+    """Whether a normalization's data (its first tensor) is float32, or low where this device's kernel takes low data
+    with FP32 parameters."""
+    data = _first_tensor(values)
+    return data is None or data.dtype == torch.float32 or (data.dtype == low and _runs_low_on(op, data.device, low))
+
+
+def _one_floating_dtype(values) -> bool:
+    """Whether the floating tensors among the values (one level into lists) share one dtype."""
+    seen = None
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            dtype = value.dtype
+            if dtype is not seen and dtype.is_floating_point:
+                if seen is not None:
+                    return False
+                seen = dtype
+        elif type(value) is list or type(value) is tuple:
+            return len(_floating_dtypes(values, None)) <= 1  # rare (torch.cat): count them all
+    return True
 
 
 _UNCHECKED: dict = {}
@@ -363,31 +436,69 @@ def _floating_dtypes(args, kwargs) -> set:
     return dtypes
 
 
-def _all_tensors(args, kwargs):
-    for value in (*args, *kwargs.values()):
+def _hot_path_fits(rule: _Rule, args) -> bool:
+    """Whether a white call's positional tensors, each cast down, are all its rule casts: no argument is a list or
+    tuple, or (conv2d's stride and padding) none holds a tensor and the op is plain, as _cast_inputs would cast."""
+    for value in args:
+        if (type(value) is list or type(value) is tuple) and not (
+                rule.plain and not any(isinstance(item, torch.Tensor) for item in value)):
+            return False
+    return True
+
+
+def _all_tensors(args, kwargs) -> list[torch.Tensor]:
+    """The call's tensors, one level into lists and tuples (a loop: generators cost a frame each)."""
+    tensors = []
+    for value in (*args, *kwargs.values()) if kwargs else args:
         if isinstance(value, torch.Tensor):
-            yield value
+            tensors.append(value)
         elif isinstance(value, (list, tuple)):
-            yield from (v for v in value if isinstance(v, torch.Tensor))
+            tensors += [v for v in value if isinstance(v, torch.Tensor)]
+    return tensors
+
+
+def _first_tensor(values) -> torch.Tensor | None:
+    """The first tensor among the values, one level into lists and tuples: a normalization's data."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            return value
+        if isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, torch.Tensor):
+                    return item
+    return None
+
+
+def _deciding_dtypes(floats: list[torch.Tensor]) -> list[torch.dtype]:
+    """The dtypes that decide a gray op: its floating inputs' but a 0-dim tensor's (as in torch's type promotion),
+    unless it has no other."""
+    dtypes = []
+    for tensor in floats:
+        if tensor.dim() > 0:
+            dtypes.append(tensor.dtype)
+    return dtypes or list(map(_DTYPE, floats))
 
 
 def _floating_inputs(args, kwargs, rule: _Rule) -> list[torch.Tensor]:
     """The floating tensors that decide and get cast: not an in-place op's target, an `out=`, or a norm's
     parameters."""
-    tensors = [t for t in _all_tensors(args, {k: v for k, v in kwargs.items() if k != "out"})
-               if t.dtype.is_floating_point]
-    if rule.writes_first and args and isinstance(args[0], torch.Tensor):
-        tensors = [t for t in tensors if t is not args[0]]
-    if rule.norm:
-        return tensors[:1]
-    return tensors
+    target = args[0] if rule.writes_first and args and isinstance(args[0], torch.Tensor) else None
+    tensors = []
+    for value in (*args, *(v for k, v in kwargs.items() if k != "out")) if kwargs else args:
+        if isinstance(value, torch.Tensor):
+            if value.dtype.is_floating_point and value is not target:
+                tensors.append(value)
+        elif isinstance(value, (list, tuple)):
+            tensors += [t for t in value
+                        if isinstance(t, torch.Tensor) and t.dtype.is_floating_point and t is not target]
+    return tensors[:1] if rule.norm else tensors
 
 
 def _map_inputs(args, kwargs, rule: _Rule, cast):
     first = args[0] if rule.writes_first and args else None
     data = None
     if rule.norm:
-        data = next(iter(_all_tensors(args, kwargs)), None)
+        data = _first_tensor((*args, *kwargs.values()))
 
     def one(value):
         if isinstance(value, torch.Tensor):
@@ -398,7 +509,7 @@ def _map_inputs(args, kwargs, rule: _Rule, cast):
             return type(value)(one(v) for v in value)
         return value
 
-    return tuple(one(a) for a in args), {k: (v if k == "out" else one(v)) for k, v in kwargs.items()}
+    return tuple(map(one, args)), {k: (v if k == "out" else one(v)) for k, v in kwargs.items()} if kwargs else {}
 
 
 def _promotes_on_meta(func, args, kwargs) -> bool:
@@ -422,8 +533,8 @@ def _promotes_on_meta(func, args, kwargs) -> bool:
 
 def _autocast_nesting() -> int:
     """How many torch.autocast regions are open on this thread (read through the public increment/decrement)."""
-    torch.autocast_increment_nesting()
-    return torch.autocast_decrement_nesting()
+    _increment_autocast_nesting()
+    return _decrement_autocast_nesting()
 
 
 # -- the model ----------------------------------------------------------------------------------------------------

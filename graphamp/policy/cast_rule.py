@@ -30,5 +30,5 @@ def cast_target(decision: str, level: str, low: torch.dtype, deciding: list[torc
         return torch.float32
     if decision in _FOLLOWS_INPUTS and deciding:
         # Paddle's gray rule: low when every floating input is low, else float32.
-        return low if all(dtype == low for dtype in deciding) else torch.float32
+        return low if deciding.count(low) == len(deciding) else torch.float32
     return None
