@@ -64,7 +64,7 @@ def test_defaults_are_paddle_amp_defaults():
     defaults = {name: p.default for name, p in parameters.items() if name != "optimizer"}
     assert defaults == {
         "amp_lists": None,
-        "init_loss_scaling": 2.0**16,
+        "init_loss_scaling": None,  # 2**16 where the scaling is dynamic (float16), 1.0 for bfloat16: below
         "incr_every_n_steps": 2000,
         "decr_every_n_nan_or_inf": 1,
         "incr_ratio": 2.0,
@@ -74,6 +74,8 @@ def test_defaults_are_paddle_amp_defaults():
         "process_group": None,  # the default group once torch.distributed runs more than one rank
         "model": None,  # the rewritten models are found through the optimizer's parameters
     }
+    sgd = torch.optim.SGD(small_model().parameters(), lr=0.1)
+    assert graphamp.decorate(sgd).get_loss_scaling() == 2.0**16
 
 
 def test_dynamic_loss_scaling_is_on_by_default_for_float16():
@@ -635,3 +637,13 @@ def test_unfused_optimizer_step_makes_exactly_one_host_sync_on_cuda():
         torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
     assert len(syncs) == 1, [str(w.message) for w in syncs]
+
+
+def test_an_init_loss_scaling_given_with_bfloat16_lists_is_used_as_a_fixed_scale():
+    """The default for bfloat16 is no scaling; a scale the user passes is not dropped in silence."""
+    model = small_model()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = graphamp.decorate(sgd, AutoMixedPrecisionLists(dtype="bfloat16"), init_loss_scaling=256.0)
+    assert opt.get_loss_scaling() == 256.0
+    opt.minimize(loss_at(model, 0, poison=INF))
+    assert opt.get_loss_scaling() == 256.0 and not opt.loss_scaler.use_dynamic_loss_scaling

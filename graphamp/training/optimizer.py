@@ -23,7 +23,7 @@ __all__ = ["OptimizerWithMixedPrecision", "decorate"]
 
 def decorate(
     optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer], amp_lists: Any = None,
-    init_loss_scaling: float = 2.0**16, incr_every_n_steps: int = 2000, decr_every_n_nan_or_inf: int = 1,
+    init_loss_scaling: float | None = None, incr_every_n_steps: int = 2000, decr_every_n_nan_or_inf: int = 1,
     incr_ratio: float = 2.0, decr_ratio: float = 0.5, use_dynamic_loss_scaling: bool | None = None,
     max_loss_scaling: float | None = None, process_group: torch.distributed.ProcessGroup | None = None,
     model: torch.nn.Module | None = None,
@@ -36,8 +36,10 @@ def decorate(
         optimizer: a torch optimizer, or a list of them: a list gets a list of wrappers sharing one LossScaler, whose
             scale the last of them to step updates once per iteration (every wrapper steps once per iteration).
         amp_lists: the lists the model was rewritten with; their dtype picks the loss scaling (default: float16).
-        use_dynamic_loss_scaling: None is on for float16 and off for bfloat16 (a scale of 1.0: bfloat16 has float32's
-            range); False keeps ``init_loss_scaling`` fixed. Either way inf/NaN steps are skipped.
+        init_loss_scaling: the first scale; None is 2**16 where the scaling is dynamic and 1.0 where it is not.
+        use_dynamic_loss_scaling: None is on for float16 and off for bfloat16 (bfloat16 has float32's range: a fixed
+            scale, 1.0 unless ``init_loss_scaling`` is given); False keeps ``init_loss_scaling`` fixed. Either way
+            inf/NaN steps are skipped.
         max_loss_scaling: caps the growth of the scale (insightface's MaxClipGradScaler).
         process_group: the ranks whose ``found_inf`` is all-reduced (MAX) at each ``unscale_()``/``step()``, so that
             they skip together; None is the default group once torch.distributed runs more than one rank.
@@ -71,7 +73,8 @@ def decorate(
     _check_argument_types(use_dynamic_loss_scaling, process_group, model)
     if use_dynamic_loss_scaling is None:
         use_dynamic_loss_scaling = dtype == torch.float16
-        init_loss_scaling = init_loss_scaling if use_dynamic_loss_scaling else 1.0
+    if init_loss_scaling is None:  # a scale the user gave is used as given, fixed where the scaling is not dynamic
+        init_loss_scaling = 2.0**16 if use_dynamic_loss_scaling else 1.0
     loss_scaler = LossScaler(
         init_loss_scaling, incr_every_n_steps, decr_every_n_nan_or_inf, incr_ratio, decr_ratio,
         use_dynamic_loss_scaling, max_loss_scaling, process_group,
