@@ -484,7 +484,7 @@ class _CastPass:
 @contextmanager
 def _fake_tensor_errors_unlogged():
     """FakeTensorMode logs an ERROR traceback when an op refuses mixed dtypes (aten.dot, spectral_norm's
-    vdot) before raising; the probe expects that refusal, so the log would only alarm the user."""
+    vdot) before raising; _result_as_it_is expects that refusal, so the log would only alarm the user."""
     logger = logging.getLogger("torch._subclasses.fake_tensor")
     disabled = logger.disabled
     logger.disabled = True
