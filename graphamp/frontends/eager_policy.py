@@ -398,7 +398,8 @@ def _one_floating_dtype(values) -> bool:
                     return False
                 seen = dtype
         elif type(value) is list or type(value) is tuple:
-            return len(_floating_dtypes(values, None)) <= 1  # rare (torch.cat): count them all
+            # rare (torch.cat): count them all
+            return len({t.dtype for t in _all_tensors(values, None) if t.dtype.is_floating_point}) <= 1
     return True
 
 
@@ -421,21 +422,6 @@ def _unchecked(function: types.FunctionType) -> types.FunctionType:
 
 
 # -- inputs -----------------------------------------------------------------------------------------------------
-def _floating_dtypes(args, kwargs) -> set:
-    """The floating dtypes of the call's tensors (one level into lists), in one loop: it runs on every torch call."""
-    dtypes = set()
-    for value in (*args, *kwargs.values()) if kwargs else args:
-        if isinstance(value, torch.Tensor):
-            dtype = value.dtype
-            if dtype.is_floating_point:
-                dtypes.add(dtype)
-        elif type(value) is list or type(value) is tuple:
-            for item in value:
-                if isinstance(item, torch.Tensor) and item.dtype.is_floating_point:
-                    dtypes.add(item.dtype)
-    return dtypes
-
-
 def _hot_path_fits(rule: _Rule, args) -> bool:
     """Whether a white call's positional tensors, each cast down, are all its rule casts: no argument is a list or
     tuple, or (conv2d's stride and padding) none holds a tensor and the op is plain, as _cast_inputs would cast."""
