@@ -97,33 +97,64 @@ def profile(layers: int, steps: int) -> None:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
 
 
-def per_op_cost(rounds: int, calls: int = 1000) -> None:
-    """graphamp.auto_cast's cost of one torch call against torch.autocast's (C++) and no AMP: a white op that casts
-    its float32 input and cached weights, and gray ops on bfloat16 inputs (left alone). Microseconds per call, the
-    best of `rounds` interleaved rounds."""
-    import contextlib
+class _DoNothing(torch.overrides.TorchFunctionMode):
+    """The floor of any Python mode: a TorchFunctionMode that calls through."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def per_op_calls() -> dict:
+    """One torch call of each kind the policy decides, on fixed inputs: name -> a function making it."""
     import torch.nn.functional as F
 
-    lists = graphamp.AutoMixedPrecisionLists(dtype="bfloat16")
     x, low = torch.randn(4, 16), torch.randn(4, 16, dtype=torch.bfloat16)
     w, b = torch.randn(16, 16, requires_grad=True), torch.randn(16, requires_grad=True)
-    calls_of = {"linear (white, casts)": lambda: F.linear(x, w, b), "add (gray)": lambda: low + 1,
-                "relu (gray)": lambda: torch.relu(low), "mul (gray)": lambda: low * low}
-    contexts = {"no AMP": contextlib.nullcontext, "torch.autocast": lambda: torch.autocast("cpu", torch.bfloat16),
-                "graphamp.auto_cast": lambda: graphamp.auto_cast(lists)}
-    print("| torch call | " + " | ".join(f"{name} µs" for name in contexts) + " | auto_cast − autocast µs |")
-    print("|---|" + "---:|" * (len(contexts) + 1))
-    for name, call in calls_of.items():
-        best = dict.fromkeys(contexts, float("inf"))
+    norm_w, norm_b = torch.ones(16, requires_grad=True), torch.zeros(16, requires_grad=True)
+    images, mean, var = torch.randn(2, 4, 4, 4, dtype=torch.bfloat16), torch.zeros(4), torch.ones(4)
+    return {
+        "linear (white, casts)": lambda: F.linear(x, w, b), "add (gray)": lambda: low + 1,
+        "relu (gray)": lambda: torch.relu(low), "mul (gray)": lambda: low * low, "view (left alone)": lambda: low.view(64),
+        "sum (black, bf16 in)": lambda: low.sum(-1), "softmax (black, bf16 in)": lambda: torch.softmax(low, -1),
+        "add fp32 + bf16 (mixed gray)": lambda: x + low,
+        "layer_norm (O1, bf16)": lambda: F.layer_norm(low, (16,), norm_w, norm_b),
+        "batch_norm (O1, bf16)": lambda: F.batch_norm(images, mean, var, norm_w[:4], norm_b[:4]),
+    }
+
+
+def per_op_contexts(lists) -> dict:
+    """What each call runs under: name -> a context manager factory."""
+    import contextlib
+
+    return {"no AMP": contextlib.nullcontext, "torch.autocast": lambda: torch.autocast("cpu", torch.bfloat16),
+            "empty mode": _DoNothing, "graphamp.auto_cast": lambda: graphamp.auto_cast(lists)}
+
+
+def best_per_call(calls: dict, contexts: dict, rounds: int, repeat: int = 1000) -> dict:
+    """Microseconds per call, call name -> context name -> the best of `rounds` rounds of `repeat` calls, the
+    contexts interleaved in every round."""
+    best = {}
+    for name, call in calls.items():
+        best[name] = dict.fromkeys(contexts, float("inf"))
         for _ in range(rounds):
             for mode, context in contexts.items():
                 with context():
                     started = time.perf_counter()
-                    for _ in range(calls):
+                    for _ in range(repeat):
                         call()
-                    best[mode] = min(best[mode], (time.perf_counter() - started) / calls * 1e6)
-        print(f"| {name} | " + " | ".join(f"{t:.2f}" for t in best.values())
-              + f" | {best['graphamp.auto_cast'] - best['torch.autocast']:.2f} |")
+                    best[name][mode] = min(best[name][mode], (time.perf_counter() - started) / repeat * 1e6)
+    return best
+
+
+def per_op_cost(rounds: int) -> None:
+    """graphamp.auto_cast's cost of one torch call against torch.autocast's (C++), a mode that does nothing, and no
+    AMP. Microseconds per call, the best of `rounds` interleaved rounds."""
+    contexts = per_op_contexts(graphamp.AutoMixedPrecisionLists(dtype="bfloat16"))
+    print("| torch call | " + " | ".join(f"{name} µs" for name in contexts) + " | auto_cast − autocast µs |")
+    print("|---|" + "---:|" * (len(contexts) + 1))
+    for name, times in best_per_call(per_op_calls(), contexts, rounds).items():
+        print(f"| {name} | " + " | ".join(f"{t:.2f}" for t in times.values())
+              + f" | {times['graphamp.auto_cast'] - times['torch.autocast']:.2f} |")
 
 
 def main() -> None:
