@@ -60,12 +60,7 @@ MODEL_SET = {
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
 @pytest.mark.parametrize("name", sorted(MODEL_SET))
-def test_auto_cast_decides_like_the_cast_pass(bf16, name, level, request):
-    if name == "lstm" and level == "O2":
-        request.applymarker(pytest.mark.xfail(
-            strict=True, raises=ValueError,
-            reason="nn.LSTM's Python forward refuses an input of another dtype than its weights before any op runs; "
-                   "O2 casts the embedding's output low (docs/auto_cast.md)"))
+def test_auto_cast_decides_like_the_cast_pass(bf16, name, level):
     make, example = MODEL_SET[name]
     torch.manual_seed(0)
     model = make().eval()
@@ -133,6 +128,27 @@ def test_auto_cast_keeps_black_modules_of_the_model_in_fp32(bf16):
         model(torch.randn(4, 16))
     dtypes = [c.in_dtypes[0] for c in recorder.calls_of("addmm")]
     assert dtypes == [torch.bfloat16, torch.float32]
+
+
+class PackedGRU(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.gru = nn.Embedding(models.VOCAB, 16), nn.GRU(16, 16, batch_first=True)
+
+    def forward(self, tokens, lengths):
+        packed = nn.utils.rnn.pack_padded_sequence(self.embed(tokens), lengths, batch_first=True)
+        return self.gru(packed)[1].sum()
+
+
+def test_o2_feeds_an_rnn_a_low_input_through_its_dtype_check_and_trains(bf16):
+    model, tokens, lengths = PackedGRU(), models.token_batch(), torch.tensor([6, 3])
+    with DtypeRecorder() as recorder, graphamp.auto_cast(bf16, "O2", model=model):
+        model(tokens, lengths).backward()
+    low, fp32 = low_and_fp32(recorder)  # a packed GRU runs as GEMMs, one per step
+    assert low > 0 and fp32 == 0
+    assert all(p.dtype == torch.float32 and p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+    with graphamp.auto_cast(bf16, model=model), pytest.raises(ValueError, match="does not match weight dtype"):
+        model.gru(torch.randn(2, 3, 16, dtype=torch.bfloat16))  # O1 passes the model's own dtypes through as written
 
 
 def test_auto_cast_disabled_runs_as_written(bf16):

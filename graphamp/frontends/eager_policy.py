@@ -208,11 +208,13 @@ class EagerPolicy(TorchFunctionMode):
             return self
         _refuse_enabled_autocast()
         self._autocast_nesting = _autocast_nesting()
+        _o2_running.depth += self.level == "O2"
         return super().__enter__()
 
     def __exit__(self, *exc):
         if not self.enabled:
             return False
+        _o2_running.depth -= self.level == "O2"
         for casts in self._weight_casts.values():
             casts.clear()  # each caster holds its own dict: emptied, not replaced
         return super().__exit__(*exc)
@@ -547,6 +549,10 @@ class ModelFacts:
                 for module in model.modules() if is_normalization_module(type(module))
                 for parameter in module.parameters(recurse=False)
             }
+            for module in model.modules():
+                if isinstance(module, torch.nn.RNNBase) and module not in _RNNS_HOOKED:
+                    module.register_forward_pre_hook(_rnn_input_in_weight_dtype)
+                    _RNNS_HOOKED.add(module)
 
     def black_module_running(self) -> str | None:
         """The black-module pattern of the innermost listed module whose forward is on the stack, if any."""
@@ -558,6 +564,28 @@ class ModelFacts:
                     return source
             frame = frame.f_back
         return None
+
+
+class _O2Running(threading.local):
+    depth = 0  # O2 policies entered on this thread
+
+
+_o2_running = _O2Running()
+_RNNS_HOOKED: weakref.WeakSet = weakref.WeakSet()
+
+
+def _rnn_input_in_weight_dtype(module: torch.nn.RNNBase, args: tuple):
+    """nn.LSTM/GRU/RNN's Python forward refuses an input of another dtype than its weights before any op runs, and
+    O2 makes the layer before it low: the input goes in at the weights' dtype and the RNN op, all but black low under
+    O2, casts it down again, as it runs in a graph (where dynamo checked the dtypes before the casts were put in)."""
+    if _is_compiling() or not _o2_running.depth or not args:
+        return None
+    first = args[0]
+    data = first.data if isinstance(first, torch.nn.utils.rnn.PackedSequence) else first
+    weight_dtype = module.weight_ih_l0.dtype
+    if isinstance(data, torch.Tensor) and data.is_floating_point() and data.dtype != weight_dtype:
+        return (first.to(weight_dtype), *args[1:])
+    return None
 
 
 def _refuse_enabled_autocast() -> None:
