@@ -1,11 +1,6 @@
 """export(): write what the cast pass did to files, for people and for tools: one folder for the ExportedProgram
 export_program() returns, one a graph (graph_0, graph_1, ...) for a model rewrite() converted or a graphamp.backend.
-
-- graph.py: the rewritten graph as Python (fx's readable code); every op line ends with its decision, and
-  "inserted cast" marks the casts graphamp added.
-- graph.json: one record per op node: name, op, decision, source, in_dtypes, out_dtype, module.
-- graph.svg: the picture (graph_picture.py); report.html: the page around it (report_page.py).
-- diff.txt: the graph as captured vs as rewritten.
+The files (graph.py, graph.json, graph.svg, report.html, diff.txt): docs/inspect.md.
 """
 
 from __future__ import annotations
