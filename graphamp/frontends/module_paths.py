@@ -1,9 +1,5 @@
-"""Module paths: where each graph dynamo captured sits in the user's model, which black-module patterns name.
-
-Dynamo's `nn_module_stack` paths are those below whatever torch.compile got (the model, a framework's wrapper of
-it, one of its blocks). `ModulePaths` turns them into the model's `named_modules()` paths, checks that dynamo does
-not reuse one block's graph for a twin the patterns decide otherwise, and, for a backend compiled without the model,
-warns once of a pattern that matched no module of its graphs.
+"""Module paths: where each graph dynamo captured sits in the user's model, which black-module patterns name
+(docs/backend.md, "Module paths").
 """
 
 from __future__ import annotations

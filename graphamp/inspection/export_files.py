@@ -273,7 +273,7 @@ def count_executed_casts(program: ExportedProgram, model, inputs: tuple, dtype: 
     args, kwargs = inputs
     module = program.module()
     with _state_kept(module), _state_kept(model) if model is not None else nullcontext():
-        graphamp, backward = _casts_of(module, module, args, kwargs, nullcontext())
+        graphamp, backward = _casts_of(module, args, kwargs, nullcontext())
         if model is None:
             return CastCounts(graphamp, None, backward, "pass model= (the FP32 model) to graphamp.export to count them")
         control_flow = _control_flow_ops(program.graph_module)
@@ -283,7 +283,7 @@ def count_executed_casts(program: ExportedProgram, model, inputs: tuple, dtype: 
                               f"while kernels are recorded (torch {torch.__version__})")
         device = next(model.parameters(), torch.empty(0)).device
         try:
-            autocast, _ = _casts_of(model, model, args, kwargs, torch.autocast(device.type, dtype))
+            autocast, _ = _casts_of(model, args, kwargs, torch.autocast(device.type, dtype))
         except Exception as error:  # the comparison informs; a model autocast cannot run still gets its files
             first_line = (str(error).strip().splitlines() or [""])[0]
             return CastCounts(graphamp, None, backward, f"it failed with {type(error).__name__}: {first_line[:300]}")
@@ -300,10 +300,10 @@ def _control_flow_ops(graph_module: GraphModule) -> list[str]:
     })
 
 
-def _casts_of(call, model, args, kwargs, autocast) -> tuple[int, bool]:
+def _casts_of(model, args, kwargs, autocast) -> tuple[int, bool]:
     with DtypeRecorder() as recorder:
         with autocast:
-            output = call(*args, **kwargs)
+            output = model(*args, **kwargs)
         scalars = (t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.dim() == 0)
         loss = next((t for t in scalars if t.is_floating_point() and t.requires_grad), None)
         parameters = [p for p in model.parameters() if p.requires_grad]
