@@ -210,12 +210,8 @@ class AmpBackend:
 
     def __getstate__(self) -> dict:
         """A pickled backend (torch.save of a compiled model) keeps its configuration; graphs and link are remade."""
-        state = dict(self.__dict__)
-        state.update(
-            graphs=[], graph_runs=0, _link=None,
-            _module_paths=ModulePaths(self.config.lists),
-        )
-        return state
+        return {**self.__dict__, "graphs": [], "graph_runs": 0, "_link": None,
+                "_module_paths": ModulePaths(self.config.lists)}
 
     def __repr__(self) -> str:
         return (

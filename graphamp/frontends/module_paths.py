@@ -92,10 +92,6 @@ class ModulePaths:
         if runs == 2 and not self._patterns_checked:
             self._warn_unmatched_patterns()
 
-    @property
-    def knows_model(self) -> bool:
-        return self._model is not None
-
     def resolver(self, state: dict[str, str], inputs_by_placeholder: dict[str, object]):
         """A function from a graph path to a model path, for the graph whose state placeholders are `state`."""
         model_state = _state_paths(self._model()) if self._model is not None else {}
@@ -117,7 +113,7 @@ class ModulePaths:
         does not reuse it for a twin block (blocks compiled one at a time share a graph) that the black-module
         patterns decide otherwise, which would run that block with this one's dtypes."""
         lists = self._lists
-        if not lists.black_modules or not self.knows_model or not state:
+        if not lists.black_modules or self._model is None or not state:
             return None
         first = placeholders.index(next(iter(state)))
         decided = {path: lists.black_module_for(to_model_path(path)) for path in relative_paths}

@@ -95,14 +95,8 @@ def _normalization_parameters(graph_module: GraphModule, parameters: frozenset[s
         placeholder.name
         for placeholder in graph_module.graph.find_nodes(op="placeholder")
         if placeholder.name in parameters
-        and any(is_normalization_module(_module_kind(reader)) for reader in placeholder.users)
+        and any(is_normalization_module(_innermost_module(reader)[1]) for reader in placeholder.users)
     )
-
-
-def _module_kind(node: Node):
-    """The class (or its name) of the innermost module the op ran in, None at the top level."""
-    stack = node.meta.get("nn_module_stack")
-    return next(reversed(stack.values()))[1] if stack else None
 
 
 def node_dtype(node) -> torch.dtype | None:
@@ -112,8 +106,13 @@ def node_dtype(node) -> torch.dtype | None:
 
 def module_path(node: Node) -> str:
     """The FQN of the innermost module the op ran in ('' at the top level)."""
+    return _innermost_module(node)[0]
+
+
+def _innermost_module(node: Node) -> tuple:
+    """(FQN, class or its name) of the innermost module the op ran in; ('', None) at the top level."""
     stack = node.meta.get("nn_module_stack")
-    return next(reversed(stack.values()))[0] if stack else ""
+    return next(reversed(stack.values())) if stack else ("", None)
 
 
 class _CastPass:
