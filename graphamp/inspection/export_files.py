@@ -35,11 +35,9 @@ FILES = ("graph.py", "graph.json", "graph.svg", "report.html", "diff.txt")
 def export(what, out_dir, example_args=None, example_kwargs=None, overwrite: bool = False, model=None) -> Path:
     """Write graph.py, graph.json, graph.svg, report.html and diff.txt for what graphamp rewrote.
 
-    For an ExportedProgram, one set of files in out_dir; report.html counts the casts executed by rerunning
-    `program.module()` on the example inputs, and, given `model`, torch.autocast's on that FP32 model (forward and
-    backward when it returns a scalar loss); buffers and RNG state are restored after. For a model rewrite()
-    converted or a graphamp.backend, one set a graph it rewrote, in out_dir/graph_0, graph_1, ...; those graphs
-    are not rerun (graphamp keeps no inputs), so report.html counts the cast nodes in each.
+    One set of files for an ExportedProgram, one a graph it rewrote (out_dir/graph_0, graph_1, ...) for a rewritten
+    model or a backend; what report.html counts in each case (reruns leave buffers and RNG state as they were):
+    docs/inspect.md.
 
     Args:
         what: the ExportedProgram graphamp.export_program() returned, a model graphamp.rewrite() converted (and
@@ -265,11 +263,7 @@ def graph_diff(original_code: str, graph_module: GraphModule, summary: dict) -> 
 
 def count_executed_casts(program: ExportedProgram, model, inputs: tuple, dtype: torch.dtype) -> CastCounts:
     """Casts executed by the program's module and, given the FP32 `model`, by torch.autocast on it, on `inputs`
-    (args, kwargs).
-
-    Forward and backward when the program returns a scalar loss, else forward only; the same for both. Gradients
-    come from torch.autograd.grad, so no `.grad` is touched.
-    """
+    (args, kwargs): forward, and backward by torch.autograd.grad (no `.grad` touched) when it returns a scalar loss."""
     args, kwargs = inputs
     module = program.module()
     with _state_kept(module), _state_kept(model) if model is not None else nullcontext():
