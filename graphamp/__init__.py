@@ -1,10 +1,7 @@
 """graphamp: static-graph automatic mixed precision for PyTorch, in the style of Paddle's AMP.
 
-The pipeline: the policy (`AutoMixedPrecisionLists`, graphamp.policy) → the passes (graphamp.passes) → the front
-ends (graphamp.frontends): `rewrite` converts the user's model in place to train under torch.compile with
-graphamp's backend (`backend`, or `torch.compile(model, backend="graphamp")`), `export_program` gives the whole
-model as one static ExportedProgram, `auto_cast` applies the same lists to code that runs eagerly → training (`decorate`, graphamp.training). Beside it, the tools: `export`
-(graphamp.inspection) and `doctor`/`auto_mixed_precision` (graphamp.diagnosis).
+The public API, in the pipeline's order (policy → passes → front ends → training, the tools beside them):
+docs/how_it_works.md and docs/api.md.
 """
 
 __version__ = "0.3.0"

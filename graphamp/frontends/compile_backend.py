@@ -1,11 +1,7 @@
 """graphamp as a torch.compile backend: dynamo captures, graphamp's lists and passes decide the dtypes.
 
-Dynamo keeps eager semantics around each graph it hands over (guards on module state, parameters, hooks and
-shapes; recompiles; graph breaks around what it cannot trace). Each graph is lowered to pre-autograd ATen
-(lowering.py), goes through the passes (graphamp.passes), and is compiled by inductor (or run as fx code).
-Autograd differentiates through the casts, so the model's FP32 parameters stay the master weights and their
-gradients arrive in FP32. `rewrite()` compiles the user's model in place with one of these; `torch.compile(model,
-backend="graphamp")` reaches one by name (named_backend.py).
+Each graph is lowered to ATen (lowering.py), goes through the passes and is compiled by inductor (or run as fx
+code): docs/how_it_works.md, "The training front end"; docs/backend.md for the ways to reach it.
 """
 
 from __future__ import annotations
@@ -214,12 +210,8 @@ class AmpBackend:
 
     def __getstate__(self) -> dict:
         """A pickled backend (torch.save of a compiled model) keeps its configuration; graphs and link are remade."""
-        state = dict(self.__dict__)
-        state.update(
-            graphs=[], graph_runs=0, _link=None,
-            _module_paths=ModulePaths(self.config.lists),
-        )
-        return state
+        return {**self.__dict__, "graphs": [], "graph_runs": 0, "_link": None,
+                "_module_paths": ModulePaths(self.config.lists)}
 
     def __repr__(self) -> str:
         return (

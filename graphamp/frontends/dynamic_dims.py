@@ -1,16 +1,7 @@
 """Dynamic dims for export_program(dynamic=True): which input dims torch.export keeps symbolic, sizes from 1 up.
 
-torch.export reads dynamo's `maybe_mark_dynamic` markers (as it reads `Dim.AUTO`, whose dynamic_shapes spec
-cannot name a forward's **kwargs): a dim stays symbolic where the model allows and is specialized where its
-code requires a size (a weight's width). By default torch also specializes sizes 0 and 1, so a program traced
-where the model meets a 1 would serve that size only; here the capture is traced size-oblivious instead
-(torch's backed_size_oblivious, as its ONNX exporter does), and its symbolic sizes admit 1 and up.
-
-Why a batch of 1 gets eager's result: the program replays ATen ops, which compute with the real sizes at run
-time (`squeeze(0)` still drops a dim of 1). Python code that branches on a size still adds a guard, and the
-program's module() refuses a call that fails it (`Guard failed: x.size()[0] != 1`); so does a 1 that would
-broadcast against another input's size. Only torch's internal "is this size 1?" questions are answered "no"
-without a guard.
+Dynamo's `maybe_mark_dynamic` markers, traced size-oblivious; why a batch of 1 still gets eager's result:
+docs/shapes_and_generation.md, "Shapes in export_program(dynamic=True)".
 """
 
 from __future__ import annotations

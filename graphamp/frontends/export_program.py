@@ -1,10 +1,7 @@
 """export_program(): the whole model as one static program with graphamp's casts in it, for reading and deploying.
 
-torch.export (non-strict, training IR) captures the model as an ExportedProgram: parameters and buffers are
-placeholders, BatchNorm's statistics are updated in place on them. The passes (graphamp.passes) cast it by the
-lists, as they cast each graph dynamo hands the training path, and the program stays an ExportedProgram:
-`torch.export.save`/`load` round-trip it (each op's decision travels in `node.meta["custom"]`), `.module()`
-runs it, AOTInductor compiles it. `graphamp.export`, the CLI, `doctor` and `auto_mixed_precision` read it.
+torch.export (non-strict, training IR), then the passes; the result stays an ExportedProgram (save/load, `.module()`,
+AOTInductor): docs/how_it_works.md, "The whole static program".
 """
 
 from __future__ import annotations

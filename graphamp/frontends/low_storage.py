@@ -1,14 +1,8 @@
 """What a rewritten model's call returns, where the cast pass computed it low: a float32 tensor over low storage.
 
-The FP32 model returns float32; torch.autocast returns what its last op made (bfloat16 logits). Returning the low
-value as it is would make the user's code after the call (their own loss) compute in bfloat16 what eager code and
-autocast's region compute in float32; returning a float32 copy doubles the largest activation of a language
-model, and the graph saves that copy for backward. So the value stays low and is handed out as a `LowStorageTensor`
-(the pattern of torchao's float8 training tensors): its dtype is float32, and every op that reads it reads it
-upcast, as a float32 tensor holding the same values would be read. What only moves or reshapes it (views, clone,
-`.to(device)`, detach) stays low; a cast to its storage dtype takes the stored values as they are; writes into it
-(in place, `out=`) round to its storage dtype, as they would into autocast's low output. Reads allocate their
-float32 copy for the op and free it after, so concurrent readers share nothing mutable.
+A float32 copy would double a language model's largest activation; the low value is handed out as a
+`LowStorageTensor` (torchao float8's pattern) that every op reads upcast. What it keeps low, and why: docs/compile.md,
+"The logits". Reads allocate their float32 copy for the op and free it after: concurrent readers share nothing.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
 """Dynamo's torch-level graph lowered to pre-autograd ATen, the IR the cast pass reads (torch.export's training IR).
 
-`make_fx(pre_dispatch=True)` traces the graph in the fake mode dynamo gave the backend, so that its symbolic
-sizes stay symbolic. What make_fx alone would lose is kept:
-- a custom `torch.autograd.Function` (dynamo's `autograd_function_apply`) stays one node with its forward and
-  its backward as ATen sub-graphs, so its backward still reaches the parameters before it;
-- functorch's transforms inside the graph (the vmap of `associative_scan`'s generic path, Mamba's scan) are
-  recorded as export records them, not run on the tracer's tensors;
-- `with torch.autocast(..., enabled=False)` regions become `wrap_with_autocast` sub-graphs, kept FP32;
-- activation checkpoints stay `tag_activation_checkpoint` regions.
-Each node keeps dynamo's `nn_module_stack` (module_paths.py turns its paths into the model's).
+`make_fx(pre_dispatch=True)` in dynamo's fake mode; what make_fx alone would lose (custom autograd Functions,
+functorch transforms, autocast regions, checkpoints) is kept: docs/how_it_works.md, "Lowering".
 """
 
 from __future__ import annotations

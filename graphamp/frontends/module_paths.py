@@ -1,9 +1,5 @@
-"""Module paths: where each graph dynamo captured sits in the user's model, which black-module patterns name.
-
-Dynamo's `nn_module_stack` paths are those below whatever torch.compile got (the model, a framework's wrapper of
-it, one of its blocks). `ModulePaths` turns them into the model's `named_modules()` paths, checks that dynamo does
-not reuse one block's graph for a twin the patterns decide otherwise, and, for a backend compiled without the model,
-warns once of a pattern that matched no module of its graphs.
+"""Module paths: where each graph dynamo captured sits in the user's model, which black-module patterns name
+(docs/backend.md, "Module paths").
 """
 
 from __future__ import annotations
@@ -96,10 +92,6 @@ class ModulePaths:
         if runs == 2 and not self._patterns_checked:
             self._warn_unmatched_patterns()
 
-    @property
-    def knows_model(self) -> bool:
-        return self._model is not None
-
     def resolver(self, state: dict[str, str], inputs_by_placeholder: dict[str, object]):
         """A function from a graph path to a model path, for the graph whose state placeholders are `state`."""
         model_state = _state_paths(self._model()) if self._model is not None else {}
@@ -121,7 +113,7 @@ class ModulePaths:
         does not reuse it for a twin block (blocks compiled one at a time share a graph) that the black-module
         patterns decide otherwise, which would run that block with this one's dtypes."""
         lists = self._lists
-        if not lists.black_modules or not self.knows_model or not state:
+        if not lists.black_modules or self._model is None or not state:
             return None
         first = placeholders.index(next(iter(state)))
         decided = {path: lists.black_module_for(to_model_path(path)) for path in relative_paths}

@@ -1,14 +1,8 @@
 """rewrite(): the user's model converted in place to train in mixed precision under torch.compile.
 
-As `nn.Module.compile` does, the model's call goes through torch.compile, here with graphamp's backend: dynamo
-captures each graph (guards, graph breaks, recompiles and hooks keep eager semantics), graphamp's passes cast it
-by the lists, inductor compiles it (or, with compile=False, the rewritten graph runs as fx code). The model stays
-the user's object: its class, `state_dict()` keys, hooks, `.data` writes, `generate()` and `save_pretrained` are
-its own, and copies (deepcopy, pickle, torch.save) stay converted. What graphamp keeps on it is `model._graphamp`.
-
-Every call runs under graphamp's eager policy (eager_policy.py, graphamp.auto_cast): the code dynamo runs itself
-follows the same lists, and graphamp's graphs keep their own casts; a call under a TorchDispatchMode runs the
-model's code under the policy, bypassing dynamo (docs/backend.md, "Outside the graphs", lists each case).
+As `nn.Module.compile` does, the model's call goes through torch.compile, here with graphamp's backend; the model
+stays the user's object (docs/module_contract.md). What graphamp keeps on it is `model._graphamp`. Every call runs
+under graphamp's eager policy (eager_policy.py): docs/backend.md, "Outside the graphs", lists each case.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """autocast's promote rule at capture: mixed float16/bfloat16/float32 inputs of a promote op meet at the widest.
 
-Models written for torch.autocast call `torch.cat([half, fp32])`, `dot(half, fp32)`, `index_put(fp32, ..., half)`:
-autocast casts their floating inputs to the widest dtype first, eager PyTorch without autocast refuses several
-of them, so torch.export could not trace such a model. While capturing, this TorchFunctionMode does autocast's
-casts in Python, where they are traced as the model's own `_to_copy` casts.
+While capturing, this TorchFunctionMode does autocast's casts in Python, traced as the model's own `_to_copy`
+casts, so that models written for autocast (`torch.cat([half, fp32])`) capture: docs/numerics.md, "autocast's
+promote rule".
 """
 
 from __future__ import annotations

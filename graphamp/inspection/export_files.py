@@ -1,11 +1,6 @@
 """export(): write what the cast pass did to files, for people and for tools: one folder for the ExportedProgram
 export_program() returns, one a graph (graph_0, graph_1, ...) for a model rewrite() converted or a graphamp.backend.
-
-- graph.py: the rewritten graph as Python (fx's readable code); every op line ends with its decision, and
-  "inserted cast" marks the casts graphamp added.
-- graph.json: one record per op node: name, op, decision, source, in_dtypes, out_dtype, module.
-- graph.svg: the picture (graph_picture.py); report.html: the page around it (report_page.py).
-- diff.txt: the graph as captured vs as rewritten.
+The files (graph.py, graph.json, graph.svg, report.html, diff.txt): docs/inspect.md.
 """
 
 from __future__ import annotations
@@ -40,11 +35,9 @@ FILES = ("graph.py", "graph.json", "graph.svg", "report.html", "diff.txt")
 def export(what, out_dir, example_args=None, example_kwargs=None, overwrite: bool = False, model=None) -> Path:
     """Write graph.py, graph.json, graph.svg, report.html and diff.txt for what graphamp rewrote.
 
-    For an ExportedProgram, one set of files in out_dir; report.html counts the casts executed by rerunning
-    `program.module()` on the example inputs, and, given `model`, torch.autocast's on that FP32 model (forward and
-    backward when it returns a scalar loss); buffers and RNG state are restored after. For a model rewrite()
-    converted or a graphamp.backend, one set a graph it rewrote, in out_dir/graph_0, graph_1, ...; those graphs
-    are not rerun (graphamp keeps no inputs), so report.html counts the cast nodes in each.
+    One set of files for an ExportedProgram, one a graph it rewrote (out_dir/graph_0, graph_1, ...) for a rewritten
+    model or a backend; what report.html counts in each case (reruns leave buffers and RNG state as they were):
+    docs/inspect.md.
 
     Args:
         what: the ExportedProgram graphamp.export_program() returned, a model graphamp.rewrite() converted (and
@@ -270,15 +263,11 @@ def graph_diff(original_code: str, graph_module: GraphModule, summary: dict) -> 
 
 def count_executed_casts(program: ExportedProgram, model, inputs: tuple, dtype: torch.dtype) -> CastCounts:
     """Casts executed by the program's module and, given the FP32 `model`, by torch.autocast on it, on `inputs`
-    (args, kwargs).
-
-    Forward and backward when the program returns a scalar loss, else forward only; the same for both. Gradients
-    come from torch.autograd.grad, so no `.grad` is touched.
-    """
+    (args, kwargs): forward, and backward by torch.autograd.grad (no `.grad` touched) when it returns a scalar loss."""
     args, kwargs = inputs
     module = program.module()
     with _state_kept(module), _state_kept(model) if model is not None else nullcontext():
-        graphamp, backward = _casts_of(module, module, args, kwargs, nullcontext())
+        graphamp, backward = _casts_of(module, args, kwargs, nullcontext())
         if model is None:
             return CastCounts(graphamp, None, backward, "pass model= (the FP32 model) to graphamp.export to count them")
         control_flow = _control_flow_ops(program.graph_module)
@@ -288,7 +277,7 @@ def count_executed_casts(program: ExportedProgram, model, inputs: tuple, dtype: 
                               f"while kernels are recorded (torch {torch.__version__})")
         device = next(model.parameters(), torch.empty(0)).device
         try:
-            autocast, _ = _casts_of(model, model, args, kwargs, torch.autocast(device.type, dtype))
+            autocast, _ = _casts_of(model, args, kwargs, torch.autocast(device.type, dtype))
         except Exception as error:  # the comparison informs; a model autocast cannot run still gets its files
             first_line = (str(error).strip().splitlines() or [""])[0]
             return CastCounts(graphamp, None, backward, f"it failed with {type(error).__name__}: {first_line[:300]}")
@@ -305,10 +294,10 @@ def _control_flow_ops(graph_module: GraphModule) -> list[str]:
     })
 
 
-def _casts_of(call, model, args, kwargs, autocast) -> tuple[int, bool]:
+def _casts_of(model, args, kwargs, autocast) -> tuple[int, bool]:
     with DtypeRecorder() as recorder:
         with autocast:
-            output = call(*args, **kwargs)
+            output = model(*args, **kwargs)
         scalars = (t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.dim() == 0)
         loss = next((t for t in scalars if t.is_floating_point() and t.requires_grad), None)
         parameters = [p for p in model.parameters() if p.requires_grad]

@@ -1,9 +1,7 @@
 """graph.svg: the rewritten graph as a picture, laid out by Graphviz's dot (the graphviz-pure package).
 
-Ops are coloured by the dtype they run in, inserted casts are orange hexagons, and every module is a
-cluster. A block repeated under a numbered container (GPT-2's transformer.h.1 ... h.11, identical to h.0)
-is drawn once in full; the identical ones after it become one summary node, so a 12-layer model stays as
-legible, and as fast to lay out, as a 2-layer one. Parameters are not drawn: their casts name them.
+What it draws (colours, casts, clusters, a repeated block drawn once): docs/inspect.md. Parameters are not drawn:
+their casts name them.
 """
 
 from __future__ import annotations

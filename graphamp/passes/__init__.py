@@ -40,10 +40,8 @@ def run_passes(
 ) -> RewriteReport:
     """The cast pass ("cast"), then PASSES_AFTER_CASTS, on `graph_module` in place; returns the cast pass's report.
 
-    Each runs under torch.fx's GraphTransformObserver by its name (subsystem "graphamp"), as inductor's passes do:
-    INDUCTOR_LOG_URL_FOR_GRAPH_XFORM's graph-transform logs see them; the passes after the casts can be switched
-    off by TORCHINDUCTOR_DISABLED_PASSES or the bisector, the cast pass never (it is the policy). The
-    "graphamp.passes" logger says each pass's name and time, or that it was disabled, at DEBUG.
+    Each runs under torch.fx's GraphTransformObserver by its name, as inductor's passes do; how to watch or switch
+    them off (never the cast pass): docs/how_it_works.md, "Watching them".
 
     Args:
         graph_module: the pre-autograd ATen graph, as traced in FP32.

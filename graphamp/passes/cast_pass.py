@@ -1,13 +1,7 @@
 """The cast pass: classify each node of a captured graph by the lists and insert the casts that follow.
 
-Two walks over `graph.nodes`, as Paddle's `rewrite_program`. The first marks every ATen op (marks.py) by the lists,
-black module patterns, the model's casts and FP32 regions, never by dtypes: white (runs low), black (runs FP32),
-gray (follows its inputs: low when all its floating inputs are low, else FP32 — Paddle's rule), unlisted (acts
-gray, reported) or explicit-cast (the model chose the dtype itself: left alone). The second applies the marks to
-the dtypes the inputs have by then: casts are `aten._to_copy` nodes shared per (value, dtype), inserted before the
-first node that needs them, and folded: a cast of one of our own casts goes back to the original value, and a
-reshape's cast is the reshape of its input's cast (a node the second walk makes is marked as in the first).
-`node.meta["val"]` is recomputed on fake tensors for every node whose inputs changed dtype.
+Two walks over `graph.nodes`, as Paddle's `rewrite_program`: the first marks every op (marks.py), never by dtypes;
+the second casts by those marks. docs/how_it_works.md ("The passes") describes both and the casts' folding.
 """
 
 from __future__ import annotations
@@ -101,14 +95,8 @@ def _normalization_parameters(graph_module: GraphModule, parameters: frozenset[s
         placeholder.name
         for placeholder in graph_module.graph.find_nodes(op="placeholder")
         if placeholder.name in parameters
-        and any(is_normalization_module(_module_kind(reader)) for reader in placeholder.users)
+        and any(is_normalization_module(_innermost_module(reader)[1]) for reader in placeholder.users)
     )
-
-
-def _module_kind(node: Node):
-    """The class (or its name) of the innermost module the op ran in, None at the top level."""
-    stack = node.meta.get("nn_module_stack")
-    return next(reversed(stack.values()))[1] if stack else None
 
 
 def node_dtype(node) -> torch.dtype | None:
@@ -118,8 +106,13 @@ def node_dtype(node) -> torch.dtype | None:
 
 def module_path(node: Node) -> str:
     """The FQN of the innermost module the op ran in ('' at the top level)."""
+    return _innermost_module(node)[0]
+
+
+def _innermost_module(node: Node) -> tuple:
+    """(FQN, class or its name) of the innermost module the op ran in; ('', None) at the top level."""
     stack = node.meta.get("nn_module_stack")
-    return next(reversed(stack.values()))[0] if stack else ""
+    return next(reversed(stack.values())) if stack else ("", None)
 
 
 class _CastPass:

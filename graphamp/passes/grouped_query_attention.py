@@ -1,16 +1,9 @@
 """Attention over repeated key/value heads, rewritten as SDPA's own grouped-query attention (`enable_gqa=True`).
 
-Under torch.export transformers builds an explicit mask, and with a mask it repeats each key/value head for its
-group of query heads (`repeat_kv`: unsqueeze, expand, reshape: a copy) before SDPA, forward and backward, in
-every layer. Eager HF passes the unrepeated heads with `enable_gqa=True`. The values are the same: query head i
-reads key/value head i // group either way.
-
-Only where SDPA runs a fused kernel for grouped heads and it pays: on a CUDA device without a mask, and on a CPU
-where the attention is not differentiated (inference, generate(): the flash kernel takes a mask and groups, 8%
-faster than the repeat on a tiny Llama's attention). CUDA's kernels that take a mask do not group, and SDPA would
-fall back to its math path; the CPU flash kernel's grouped backward is slower than the repeat's (a 32k-vocabulary
-Llama's compiled train step: 0.97× autocast+compile's speed grouped, 1.01× repeated; benchmarks/RESULTS.md). Those
-keep the repeat.
+Under torch.export transformers repeats each key/value head for its group of query heads (`repeat_kv`: a copy)
+before SDPA; eager HF passes the unrepeated heads with `enable_gqa=True`, the same values. Only where a fused
+kernel groups them and it pays (docs/performance.md, "Grouped-query attention stays grouped"); elsewhere the repeat
+stays.
 """
 
 from __future__ import annotations

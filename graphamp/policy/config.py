@@ -1,9 +1,6 @@
 """The policy a front end applies, defined once: the lists, the level, what counts as a normalization, and the
-checks every entry point makes before any work starts.
-
-`AmpConfig` is the frozen value the passes and both front ends read (torch.ao's QConfigMapping is the model):
-`rewrite()`/`graphamp.backend()` for training under torch.compile, `export_program()` for the static program,
-and the doctor's probe all build one and never change it.
+checks every entry point makes before any work starts. `AmpConfig` is the frozen value the passes, both front ends
+and the doctor's probe read and never change (torch.ao's QConfigMapping is the model).
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Which gray kernels can run in low precision on a given device without losing what FP32 would give.
 
-Two families of gray ops run low only where the device's kernel supports it, forward and backward:
-- normalizations read a float16/bfloat16 X with FP32 weight, bias and statistics and accumulate in FP32 inside
-  (CPU's layer_norm and group_norm take that mix; not every CUDA build does);
-- interpolations scatter-add many output gradients into each input gradient in backward: CPU's kernels
-  accumulate in FP32, CUDA's atomicAdd accumulates in the low dtype (why CUDA autocast runs them FP32).
-Where the kernel cannot, the cast pass casts X up and the op runs FP32. This differs between devices and torch
-versions, so it is asked of the kernel itself, once per (family, device type, dtype), on a few elements.
+Normalizations (a low X with FP32 parameters) and interpolations (backward accumulation) differ between devices
+and torch versions, so each is asked of the kernel itself, once per (family, device type, dtype), on a few
+elements: docs/numerics.md says which and why.
 """
 
 from __future__ import annotations

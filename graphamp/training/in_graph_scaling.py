@@ -29,14 +29,11 @@ def times_present(factor: torch.Tensor, grads) -> list:
     through the tensors the forward saved, so it passes the 1/scale at the inputs once more. Left out of the factors
     here, it runs through the graph scaled as the first-order gradients do, and comes out true.
     """
-    present = [i for i, g in enumerate(grads) if g is not None]
-    given = [grads[i] for i in present]
-    scaled = (list(_Times.apply(factor, *given)) if torch.is_grad_enabled() else torch._foreach_mul(given, factor)) \
-        if given else []
-    result = [None] * len(grads)
-    for i, grad in zip(present, scaled):
-        result[i] = grad
-    return result
+    given = [g for g in grads if g is not None]
+    if not given:
+        return list(grads)
+    scaled = iter(_Times.apply(factor, *given) if torch.is_grad_enabled() else torch._foreach_mul(given, factor))
+    return [None if g is None else next(scaled) for g in grads]
 
 
 class _Times(torch.autograd.Function):

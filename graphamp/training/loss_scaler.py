@@ -1,20 +1,8 @@
 """Loss scaling: the scale, Paddle's good/bad step counters and their update rule, as tensors on the device.
 
-The rule is Paddle's ``update_loss_scaling``:
-
-- gradients hold inf/NaN: good steps reset to 0, bad steps +1; when bad steps reach
-  ``decr_every_n_nan_or_inf`` the scale is multiplied by ``decr_ratio`` (never below 1.0) and bad steps reset;
-- gradients are finite: bad steps reset to 0, good steps +1; when good steps reach ``incr_every_n_steps`` the scale
-  is multiplied by ``incr_ratio`` unless the result is not finite (and, here, never above ``max_loss_scaling``, as
-  insightface's MaxClipGradScaler), and good steps reset.
-
-Like ``torch.amp.GradScaler`` the state lives on the gradients' device, the inf/NaN check and unscale are torch's fused
-AMP kernels, and nothing here reads a value back to the host except the getters that say they do.
-
-Under torch.distributed every rank must take the same decision, or parameters and scales drift apart: ``found_inf`` is
-all-reduced (MAX) over the process group right after the check (FSDP's ShardedGradScaler does the same). DDP's averaged
-gradients already agree; those of a step taken inside ``no_sync()``, of parameters outside DDP and FSDP's shards do
-not.
+The rule (Paddle's ``update_loss_scaling``) is written once, in docs/loss_scaling.md; the all-reduce of ``found_inf``
+that keeps ranks together, in docs/distributed.md. As ``torch.amp.GradScaler``, nothing here reads a value back to
+the host except the getters that say they do.
 """
 
 from __future__ import annotations

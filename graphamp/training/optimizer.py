@@ -269,15 +269,6 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
         if self._stage is _Stage.UNSCALED:
             self._stage = _Stage.READY  # the unscaled gradients are gone; backward() may run again
 
-    # torch.optim.Optimizer defines these, so __getattr__ never reaches them: they go to the wrapped optimizer here.
-    add_param_group = _delegated("add_param_group")
-    register_step_pre_hook = _delegated("register_step_pre_hook")
-    register_step_post_hook = _delegated("register_step_post_hook")
-    register_state_dict_pre_hook = _delegated("register_state_dict_pre_hook")
-    register_state_dict_post_hook = _delegated("register_state_dict_post_hook")
-    register_load_state_dict_pre_hook = _delegated("register_load_state_dict_pre_hook")
-    register_load_state_dict_post_hook = _delegated("register_load_state_dict_post_hook")
-
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state dict plus ``"loss_scaler"``: scale, good/bad steps and config."""
         state_dict = self._optimizer.state_dict()
@@ -526,6 +517,12 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
     def skipped_steps(self) -> int:
         """How many of this wrapper's steps were skipped for inf/NaN gradients (one host sync)."""
         return 0 if self._skipped_steps is None else int(self._skipped_steps.item())
+
+
+# torch.optim.Optimizer defines these, so __getattr__ never reaches them: they go to the wrapped optimizer.
+for _name in ("add_param_group", "register_step_pre_hook", "register_step_post_hook", "register_state_dict_pre_hook",
+              "register_state_dict_post_hook", "register_load_state_dict_pre_hook", "register_load_state_dict_post_hook"):
+    setattr(OptimizerWithMixedPrecision, _name, _delegated(_name))
 
 
 class _Overflow(Exception):
