@@ -637,6 +637,28 @@ def test_exporting_a_data_dependent_if_asks_for_torch_cond_and_names_its_line(bf
     assert caught.value.__cause__ is not None
 
 
+class CountsCalls(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls = self.calls + 1  # a buffer assignment, which dynamo traces into the graph
+        return self.linear(x)
+
+
+def test_a_failed_export_leaves_no_global_hook_behind(bf16):
+    """torch 2.11's export leaves its buffer-assignment hook registered when its trace fails: every later compile of a
+    buffer write broke its graph there (and ran eagerly past the recompile limit)."""
+    with pytest.raises(graphamp.CaptureError):
+        graphamp.export_program(DataDependentIf(), (torch.randn(2, 4),), amp_lists=bf16)
+    model = graphamp.rewrite(CountsCalls(), (torch.randn(2, 4),), amp_lists=bf16, fullgraph=True)
+    model(torch.randn(2, 4))
+    assert model.calls.item() == 1
+    assert graphamp.rewritten_graphs(model)[0].report.decisions[graphamp.Decision.WHITE] == 1
+
+
 def test_a_rewritten_data_dependent_if_runs_the_branch_eager_takes(bf16):
     """Dynamo breaks the graph at the `if` and runs it in Python: each branch is taken as eagerly."""
     model = DataDependentIf()

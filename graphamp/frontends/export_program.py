@@ -26,7 +26,7 @@ from graphamp.passes.marks import mark_of
 from graphamp.policy.config import check_entry_arguments
 from graphamp.policy.list_files import default_lists_dir
 from graphamp.policy.lists import read_promote_ops
-from graphamp.torch_private import pytree
+from graphamp.torch_private import global_module_hooks_removed_on_failure, pytree
 
 __all__ = ["capture_program", "explain_capture_failure", "export_program", "rewrite_program"]
 
@@ -97,7 +97,7 @@ def capture_program(
         # Grad mode is fixed so that one program serves calls under no_grad/inference_mode too.
         dims = automatic_dynamic_dims((args, kwargs)) if dynamic else contextlib.nullcontext()
         with torch.inference_mode(False), torch.enable_grad(), warnings.catch_warnings(), dims, \
-                PromoteMixedInputs(promote_ops):
+                PromoteMixedInputs(promote_ops), global_module_hooks_removed_on_failure():
             # nn.RNN keeps a Python list of its own parameters; export flags it, but they are parameters.
             warnings.filterwarnings("ignore", message=r"The tensor attributes self\..*_flat_weights")
             program = torch.export.export(model, tuple(args), kwargs, strict=False)
