@@ -342,6 +342,14 @@ def global_module_hooks() -> tuple:
     return tuple(tuple(getattr(module_globals, table)) for table in _GLOBAL_HOOK_TABLES)
 
 
+def dynamo_traces_hook_table_subclasses() -> bool:
+    """Whether dynamo traces a module whose hook table is an OrderedDict subclass: torch 2.11's shortcut for nn.Module
+    calls asks the table's tracker for .len(), which its UserDefinedDictVariable lacks (an internal error, not a graph
+    break). Pinned by tests/test_module_hooks.py (test_full_backward_hook_sees_the_gradients_autocast_sees)."""
+    from torch._dynamo.variables.user_defined import UserDefinedDictVariable
+    return hasattr(UserDefinedDictVariable, "len")
+
+
 @contextlib.contextmanager
 def global_module_hooks_removed_on_failure():
     """A failed torch.export leaves its buffer-assignment hook among the global module hooks on torch 2.11 (the handle

@@ -30,8 +30,9 @@ from graphamp.frontends.compile_backend import GRAPHAMP_OPTIONS, AmpBackend, Bac
 from graphamp.frontends.eager_policy import EagerPolicy, ModelFacts, rules_for
 from graphamp.policy.config import AmpConfig, check_entry_arguments, check_master_weights
 from graphamp.torch_private import (
-    BackendCompilerFailed, call_module_with_hooks, composable_apis_on, dispatch_mode_makes_dynamo_run_eagerly, exporting_elsewhere_for_graphamp,
-    global_module_hooks, module_buffers, recompile_limit,
+    BackendCompilerFailed, call_module_with_hooks, composable_apis_on, dispatch_mode_makes_dynamo_run_eagerly,
+    dynamo_traces_hook_table_subclasses, exporting_elsewhere_for_graphamp, global_module_hooks, module_buffers,
+    recompile_limit,
 )
 
 __all__ = ["AmpState", "amp_states", "is_rewritten", "rewrite", "rewritten_graphs", "rewritten_models"]
@@ -395,7 +396,11 @@ _HOOK_TABLES = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forwar
 
 def _lock_hook_tables(model: nn.Module, lock) -> None:
     """Every empty hook table that dynamo reads (and guards on) in the model's modules becomes a _HookTable changed
-    under `lock`. A table that already holds hooks stays the dict it is: their handles remove them from that dict."""
+    under `lock`. A table that already holds hooks stays the dict it is: their handles remove them from that dict.
+    Where dynamo cannot trace such a table (torch 2.11), the tables stay plain: hooks that another thread registers
+    while a call compiles can then fail that call, as they would under torch.compile alone."""
+    if not dynamo_traces_hook_table_subclasses():
+        return
     for module in model.modules():
         for name in _HOOK_TABLES:
             table = module.__dict__.get(name)
