@@ -151,6 +151,15 @@ def test_o2_feeds_an_rnn_a_low_input_through_its_dtype_check_and_trains(bf16):
         model.gru(torch.randn(2, 3, 16, dtype=torch.bfloat16))  # O1 passes the model's own dtypes through as written
 
 
+def test_a_rewritten_o2_lstm_under_a_dispatch_mode_runs_low_eagerly(bf16):
+    model, tokens = models.LSTMClassifier(), models.token_batch()
+    graphamp.rewrite(model, (tokens,), amp_lists=bf16, level="O2")
+    with FlopCounterMode(display=False), DtypeRecorder() as recorder:  # dynamo runs the model's code eagerly
+        model(tokens).sum().backward()
+    assert {c.in_dtypes[0] for c in recorder.calls_of("mkldnn_rnn_layer", "addmm")} == {torch.bfloat16}
+    assert all(p.grad is not None for p in model.parameters())
+
+
 def test_auto_cast_disabled_runs_as_written(bf16):
     with DtypeRecorder() as recorder, graphamp.auto_cast(bf16, enabled=False):
         Head()(torch.randn(4, 16))
