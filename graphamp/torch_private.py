@@ -342,6 +342,30 @@ def global_module_hooks() -> tuple:
     return tuple(tuple(getattr(module_globals, table)) for table in _GLOBAL_HOOK_TABLES)
 
 
+@contextlib.contextmanager
+def inside_the_vmaps_of(values):
+    """Run ops on traced values that live inside a torch.vmap (functorch BatchedTensors whose vmap no longer runs):
+    the vmap levels are entered again, outermost first, with their batch sizes (a level is its depth in functorch's
+    stack). Pinned by tests/test_cast_pass.py (test_ops_inside_a_vmap_are_cast_by_the_lists)."""
+    functorch = torch._C._functorch
+    sizes = {}
+    for value in values:
+        while isinstance(value, torch.Tensor) and functorch.is_batchedtensor(value):
+            inner = functorch.get_unwrapped(value)
+            sizes[functorch.maybe_get_level(value)] = inner.shape[functorch.maybe_get_bdim(value)]
+            value = inner
+    entered = 0
+    try:
+        for level in range(1, max(sizes, default=0) + 1):
+            entered += 1
+            if functorch._vmap_increment_nesting(sizes.get(level, 1), "different") != level:
+                raise RuntimeError("a vmap level of the traced graph could not be entered again")
+        yield
+    finally:
+        for _ in range(entered):
+            functorch._vmap_decrement_nesting()
+
+
 def dynamo_traces_hook_table_subclasses() -> bool:
     """Whether dynamo traces a module whose hook table is an OrderedDict subclass: torch 2.11's shortcut for nn.Module
     calls asks the table's tracker for .len(), which its UserDefinedDictVariable lacks (an internal error, not a graph

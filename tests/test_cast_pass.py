@@ -604,3 +604,36 @@ def test_float16_lists_keep_exp_fp32_and_bfloat16_lets_it_follow(bf16, rewritten
     (exp_bf,) = nodes_of(bf16, torch.ops.aten.exp.default)
     assert exp16.meta["val"].dtype == torch.float32
     assert exp_bf.meta["val"].dtype == torch.bfloat16
+
+
+class VmappedMatmul(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.weight = nn.Parameter(torch.randn(8, 8) / 3)
+
+    def forward(self, x):
+        return torch.vmap(lambda row: torch.tanh(row @ self.weight))(self.linear(x))
+
+
+@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_ops_inside_a_vmap_are_cast_by_the_lists(bf16, level, compile):
+    """A vmap in the graph: the cast pass works out the casts' values inside the vmap it was traced in (before, any
+    cast there failed the rewrite: 'your tensor may have escaped from inside a function being vmapped')."""
+    torch.manual_seed(0)
+    model, x = VmappedMatmul(), torch.randn(4, 8)
+    reference = copy.deepcopy(model)
+    graphamp.rewrite(model, (x,), amp_lists=bf16, level=level, compile=compile)
+    with DtypeRecorder() as recorder:
+        out = model(x)
+        out.sum().backward()
+    with torch.autocast("cpu", torch.bfloat16):
+        expected = reference(x)
+    expected.sum().backward()
+    if not compile:  # inductor fuses the casts into its kernels; the fx code runs each GEMM as a kernel
+        gemms = recorder.calls_of("mm", "addmm")
+        assert len(gemms) == 5 and all(d == torch.bfloat16 for c in gemms for d in c.in_dtypes if d.is_floating_point)
+    assert relative_error(out, expected) < 1e-2
+    for mine, autocasts in zip(model.parameters(), reference.parameters()):
+        assert mine.grad.dtype == torch.float32 and relative_error(mine.grad, autocasts.grad) < 2e-2

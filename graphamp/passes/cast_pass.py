@@ -29,7 +29,7 @@ from graphamp.policy.dtypes import HALF_DTYPES, dtype_name
 from graphamp.policy.kernel_support import runs_low_on
 from graphamp.policy.lists import BLACK, GRAY, WHITE, Decision, op_lookup_keys
 from graphamp.torch_private import (
-    HigherOrderOperator, OpOverload, detect_fake_mode, enable_python_dispatcher, op_schema, pytree,
+    HigherOrderOperator, OpOverload, detect_fake_mode, enable_python_dispatcher, inside_the_vmaps_of, op_schema, pytree,
 )
 
 __all__ = ["INPUT_UPCAST", "RewriteReport", "insert_casts"]
@@ -383,6 +383,11 @@ class _CastPass:
             return dtype in HALF_DTYPES
         return value not in self.never_cast_down
 
+    def _val_in(self, val: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The fake value of a cast (inside the vmaps a batched value was traced in)."""
+        with self.fake_mode, inside_the_vmaps_of([val]):
+            return val.to(dtype)
+
     def _cast(self, value: Node, dtype: torch.dtype, before: Node) -> Node:
         """`value` in `dtype`, sharing one cast per (value, dtype) and folding casts of our casts."""
         root = self.cast_source.get(value, value)
@@ -394,8 +399,7 @@ class _CastPass:
         elif cast is None:
             with self.graph.inserting_before(before):
                 cast = self.graph.call_function(CAST_OP, (root,), {"dtype": dtype})
-            with self.fake_mode:
-                cast.meta["val"] = root.meta["val"].to(dtype)
+            cast.meta["val"] = self._val_in(root.meta["val"], dtype)
             cast.meta["nn_module_stack"] = before.meta.get("nn_module_stack", {})
             source = f"{dtype_name(dtype)} for {before.name}"
             cast.meta[MARK] = OpMark(Decision.INSERTED_CAST, source, module_path(before))
@@ -470,7 +474,8 @@ class _CastPass:
         # The Python dispatcher runs composite ops' decompositions (linear, lstm) on symbolic sizes, as make_fx does.
         # An in-place op runs without autograd: export's meta value of a buffer it writes is a leaf requiring grad.
         writes = isinstance(node.target, OpOverload) and written_inputs(node)
-        with self.fake_mode, enable_python_dispatcher(), torch.no_grad() if writes else nullcontext():
+        with self.fake_mode, enable_python_dispatcher(), torch.no_grad() if writes else nullcontext(), \
+                inside_the_vmaps_of(pytree.tree_leaves((args, kwargs))):
             return node.target(*args, **kwargs)
 
 
