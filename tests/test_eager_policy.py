@@ -19,6 +19,7 @@ from torch.utils.flop_counter import FlopCounterMode
 import graphamp
 import models
 from models import Broken
+from encoder_models import ENCODERS
 from conftest import CompiledCodeRecorder, FrontEnd
 from graphamp.inspection.recording import DtypeRecorder
 from graphamp.passes.marks import mark_of
@@ -55,6 +56,9 @@ MODEL_SET = {
     "lstm": (models.LSTMClassifier, lambda: ((models.token_batch(),), {})),
     "custom_op": (models.CustomOpModel, lambda: ((torch.randn(4, 8),), {})),
     "blocks": (models.BlockStack, lambda: ((models.token_batch(), models.token_batch()), {})),
+    # held out from the rest of the file: shifted-window attention, and convolutions beside attention
+    **{name: (lambda name=name: ENCODERS[name]()[0], lambda name=name: ((), ENCODERS[name]()[1]))
+       for name in ("swin", "mobilevit")},
 }
 
 
