@@ -2,7 +2,8 @@
 
 New private uses go here, so that the next torch release breaks one file (tests/test_architecture.py refuses a
 private torch name anywhere else). Each is pinned by a test (named below) that fails if torch changes what graphamp
-relies on. Every one was checked on torch 2.13; on 2.11, the oldest pyproject.toml allows, they are not yet run.
+relies on. Every one was checked on torch 2.13 and on 2.11, the oldest pyproject.toml allows (the whole suite on
+both: 2.13.0+cpu and 2.11.0+cu130 on a CPU, 2026-11-28).
 
 Left where they are, as torch documents them as the way to do the thing (test_architecture.py lists them too):
 - `torch._foreach_*` (training/): one kernel launch for a list of tensors, as torch.optim calls them;
