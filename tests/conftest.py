@@ -6,7 +6,6 @@ Models live in models.py, the training loop and relative error in training.py.
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 from typing import Callable, NamedTuple
 
@@ -22,11 +21,11 @@ from training import loss_of
 
 @pytest.fixture(scope="module", autouse=True)
 def dynamo_caches_of_this_file_only():
-    """Before torch 2.13 (no `isolate_recompiles`) dynamo counts the recompile limit of the frames after a graph break
-    (a model class's forward) over every model compiled in the process, dead ones too: the models of earlier files
-    would push this file's past the limit, and their calls would run eagerly. Each file starts with empty caches."""
-    if "isolate_recompiles" not in inspect.signature(torch.compile).parameters:
-        torch._dynamo.reset()
+    """Each file starts with dynamo as a fresh process has it, whichever files ran before it on the same worker: its
+    caches, its recompile counts (before torch 2.13, with no `isolate_recompiles`, counted over every model compiled in
+    the process, so earlier files' models pushed this file's past the limit) and the input sizes it remembers per
+    code location (automatic dynamic shapes), so that a file's graphs do not depend on the files before it."""
+    torch._dynamo.reset()
 
 
 @pytest.fixture(scope="session")
