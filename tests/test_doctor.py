@@ -311,7 +311,8 @@ def test_dynamic_doctor_diagnoses_the_symbolic_graph_as_the_static_one(bf16, gpt
     model, static = gpt2_bf16_report
     torch.manual_seed(0)
     dynamic = graphamp.doctor(model, (), gpt2_batch(), amp_lists=bf16, dynamic=True)
-    probe_graph = graphamp.diagnosis.probe.Probe(model, (), gpt2_batch(), dynamic=True).graph_module
+    probe = graphamp.diagnosis.probe.Probe(model, (), gpt2_batch(), dynamic=True, promote_ops=bf16.promote_ops)
+    probe_graph = probe.graph_module
     sizes = [n.meta["val"].shape for n in probe_graph.graph.nodes if n.op == "placeholder" and "input_ids" in n.name]
     assert sizes and all(isinstance(d, torch.SymInt) for d in sizes[0])
     assert dynamic.loss["amp"] == pytest.approx(static.loss["amp"], rel=1e-5)

@@ -166,7 +166,8 @@ def doctor(
         raise ArgumentError(f"steps={steps!r}: pass a positive number of runs to measure.")
     if not (isinstance(loss_scaling, (int, float)) and math.isfinite(loss_scaling) and loss_scaling > 0):
         raise ArgumentError(f"loss_scaling={loss_scaling!r}: pass a positive finite number, e.g. 1024.0.")
-    probe = Probe(model, example_args, example_kwargs, level, loss_fn, loss_scaling, dynamic, amp_lists.promote_ops)
+    probe = Probe(model, example_args, example_kwargs, level, loss_fn, loss_scaling, dynamic,
+                  promote_ops=amp_lists.promote_ops)
     report = None
     for step in range(steps):
         reference = probe.reference(seed=step)

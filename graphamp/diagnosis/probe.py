@@ -105,12 +105,12 @@ class Probe:
     """A model captured once as an FP32 ExportedProgram, with the inputs and parameter copies both runs are fed."""
 
     def __init__(self, model, example_args, example_kwargs, level="O1", loss_fn=None, loss_scaling=1.0, dynamic=False,
-                 promote_ops=None):
+                 *, promote_ops: frozenset[str]):
         kwargs = dict(example_kwargs or {})
         self.level = level
         self.loss_fn = loss_fn
         self.loss_scaling = float(loss_scaling)
-        self.program = capture_program(model, example_args, kwargs, dynamic, promote_ops)  # None: the shipped
+        self.program = capture_program(model, example_args, kwargs, dynamic, promote_ops)
         self.graph_module = self.program.graph_module
         self.user_inputs = pytree.tree_leaves((example_args, kwargs))
         signature = self.program.graph_signature

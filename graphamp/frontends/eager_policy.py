@@ -544,13 +544,10 @@ class ModelFacts:
                     forward = module.forward
                     self.black_codes.add(getattr(getattr(forward, "__func__", forward), "__code__", None))
         if config.level == "O2":
-            self.kept_fp32 = {
-                id(parameter)
-                for module in model.modules() if is_normalization_module(type(module))
-                for parameter in module.parameters(recurse=False)
-            }
             for module in model.modules():
-                if isinstance(module, torch.nn.RNNBase) and module not in _RNNS_HOOKED:
+                if is_normalization_module(type(module)):
+                    self.kept_fp32.update(id(parameter) for parameter in module.parameters(recurse=False))
+                elif isinstance(module, torch.nn.RNNBase) and module not in _RNNS_HOOKED:
                     module.register_forward_pre_hook(_rnn_input_in_weight_dtype)
                     _RNNS_HOOKED.add(module)
 

@@ -24,8 +24,6 @@ from graphamp.frontends.type_promotion import PromoteMixedInputs
 from graphamp.passes import run_passes
 from graphamp.passes.marks import mark_of
 from graphamp.policy.config import check_entry_arguments
-from graphamp.policy.list_files import default_lists_dir
-from graphamp.policy.lists import read_promote_ops
 from graphamp.torch_private import global_module_hooks_removed_on_failure, pytree
 
 __all__ = ["capture_program", "explain_capture_failure", "export_program", "rewrite_program"]
@@ -82,17 +80,14 @@ def _output_names(graph_module: torch.fx.GraphModule) -> list:
 
 
 def capture_program(
-    model: nn.Module, args: tuple, kwargs: dict, dynamic: bool = False, promote_ops: frozenset[str] | None = None
+    model: nn.Module, args: tuple, kwargs: dict, dynamic: bool, promote_ops: frozenset[str]
 ) -> ExportedProgram:
     """torch.export of `model` on (args, kwargs) in FP32, its current train/eval mode; CaptureError if it cannot be.
 
     dynamic: leave every dim of the tensor inputs symbolic, from size 1 up, where the model allows.
-    promote_ops: the ops whose mixed floating inputs meet at the widest while capturing (the lists' promote.txt;
-        default: the shipped one).
+    promote_ops: the ops whose mixed floating inputs meet at the widest while capturing (the lists' promote.txt).
     """
     args, kwargs = _ordinary_tensors((args, kwargs))
-    if promote_ops is None:
-        promote_ops = read_promote_ops(default_lists_dir(), torch.float32, "lists/promote.txt")
     try:
         # Grad mode is fixed so that one program serves calls under no_grad/inference_mode too.
         dims = automatic_dynamic_dims((args, kwargs)) if dynamic else contextlib.nullcontext()
