@@ -221,6 +221,50 @@ def test_gray_op_whose_type_promotion_computes_fp32_gets_no_cast(cast_pass):
     assert recorder.calls_of("add")[0].out_dtypes == (torch.float32,)
 
 
+def drop_path(h, keep_prob=0.75):
+    """HF's stochastic depth: a mask drawn in the dtype of the value it scales."""
+    mask = keep_prob + torch.rand((h.shape[0], 1), dtype=h.dtype, device=h.device)
+    mask.floor_()
+    return h.div(keep_prob) * mask
+
+
+def test_a_random_draw_of_the_traced_dtype_is_drawn_in_the_dtype_of_the_low_value_it_scales(cast_pass):
+    x, w = x_and_w()
+    y = torch.randn(4, 6)
+    fn = linear_then(lambda h, y: y + drop_path(h))  # the residual stream y stays FP32, as under autocast
+    graph_module, _ = cast_pass(fn, x, w, y)
+    (draw,) = nodes_of(graph_module, aten.rand.default)
+    (mul,) = nodes_of(graph_module, aten.mul.Tensor)
+    assert draw.kwargs["dtype"] == dtype_of(draw) == dtype_of(mul) == torch.bfloat16
+    assert len(casts_of(graph_module)) == 2  # x and w: none for the mask
+    out, recorder = run_recorded(graph_module, x, w, y)
+    _, expected = run_recorded(make_fx(lambda *a: under_autocast(fn, *a))(x, w, y), x, w, y)
+    for op in ("rand", "add", "floor_", "mul"):
+        assert [c.in_dtypes + c.out_dtypes for c in recorder.calls_of(op)] == \
+               [c.in_dtypes + c.out_dtypes for c in expected.calls_of(op)], op
+    assert out.dtype == torch.float32
+
+
+def test_a_random_draw_stays_fp32_where_the_model_gave_no_dtype_or_an_fp32_op_reads_it(cast_pass):
+    x, w = x_and_w()
+    y = torch.randn(4, 6)
+
+    def default_dtype(h, y):
+        return y + h * torch.rand((h.shape[0], 1))  # float32 by default, as in eager code: h * mask promotes
+
+    def read_by_fp32_too(h, y):
+        mask = torch.rand((h.shape[0], 1), dtype=h.dtype)
+        return h * mask + (y * mask).sum()
+
+    for then in (default_dtype, read_by_fp32_too):
+        graph_module, _ = cast_pass(linear_then(then), x, w, y)
+        (draw,) = nodes_of(graph_module, aten.rand.default)
+        assert dtype_of(draw) == torch.float32, then.__name__
+    (low_mul, fp32_mul) = nodes_of(graph_module, aten.mul.Tensor)
+    assert dtype_of(low_mul) == torch.bfloat16 and low_mul.args[1] in casts_of(graph_module, draw)
+    assert dtype_of(fp32_mul) == torch.float32 and fp32_mul.args[1] is draw
+
+
 def test_unlisted_op_acts_gray_and_is_reported(cast_pass):
     x, w = x_and_w()
     graph_module, report = cast_pass(linear_then(torch.atan), x, w)

@@ -32,12 +32,12 @@ DECIDED_KERNELS = {
 }
 
 
-def decided_kernels(recorder: DtypeRecorder) -> Counter:
+def decided_kernels(recorder: DtypeRecorder, ops=DECIDED_KERNELS) -> Counter:
     """(op, dtypes of its first three floating inputs) of each decided kernel that ran: an attention mask the
     compiled HF code builds and the eager code leaves to is_causal is not a decision of graphamp's."""
     return Counter(
         (call.op, tuple(d for d in call.in_dtypes if d.is_floating_point)[:3])
-        for call in recorder.calls if call.op in DECIDED_KERNELS
+        for call in recorder.calls if call.op in ops
     )
 
 
@@ -77,6 +77,25 @@ def test_auto_cast_decides_like_the_cast_pass(bf16, name, level):
         model(*args, **kwargs)
     assert decided_kernels(by_policy) == decided_kernels(by_pass)
     assert any(torch.bfloat16 in dtypes for _, dtypes in decided_kernels(by_policy))
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_auto_cast_decides_like_the_cast_pass_in_training_with_stochastic_depth(bf16, level):
+    """HF's drop_path draws its mask with `dtype=x.dtype`: low under auto_cast where x is low, and low in the
+    rewritten graph too, though the FP32 trace froze that dtype as float32 (else the mask promotes the stream)."""
+    torch.manual_seed(0)
+    model, pixels = ENCODERS["segformer"]()  # drop_path_rate 0.1: the second block draws a mask
+    model.train()
+    eager = copy.deepcopy(model)
+    with CompiledCodeRecorder() as by_policy, graphamp.auto_cast(bf16, level, model=eager):
+        eager(**pixels)
+    FrontEnd("compile").convert(model, (), pixels, amp_lists=bf16, level=level)
+    with CompiledCodeRecorder() as by_pass:
+        model(**pixels)
+    decided = DECIDED_KERNELS | {"rand", "floor_", "mul", "add"}
+    assert decided_kernels(by_policy, decided) == decided_kernels(by_pass, decided)
+    masks = [call.out_dtypes for call in by_pass.calls_of("rand")]
+    assert masks and set(masks) == {(torch.bfloat16,)}
 
 
 class Head(nn.Module):

@@ -139,6 +139,8 @@ class _CastPass:
         self.casts: dict[tuple[Node, torch.dtype], Node] = {}
         self.cast_source: dict[Node, Node] = {}
         self.recast_reshapes: list[Node] = []  # reshapes remade on a cast of their input (_reshape_of_cast)
+        # Random draws of the dtype the trace froze as float32, and what gray ops make of them alone (_draws).
+        self.draws: dict[Node, None] = {}  # in graph order
         self.outputs_stay_low = outputs_stay_low
         # Inputs that arrive low and present float32 (a graph's low output, read by the next graph): the front end
         # traced their upcast; it is one of the pass's own casts, so a down-cast of it is the input itself.
@@ -170,6 +172,7 @@ class _CastPass:
                     self._visit_higher_order(node)
                 elif node.target is operator.getitem:
                     self._refresh_meta(node)
+        self._draw_in_the_dtype_of_their_readers()
         for reshape in self.recast_reshapes:
             if not reshape.users:  # every user took the reshape of the cast instead
                 self.graph.erase_node(reshape)
@@ -205,7 +208,9 @@ class _CastPass:
             self.report.unlisted_ops[op_lookup_keys(node.target)[1]] += 1
 
     def _target_dtype(self, decision: str, floats: list[Node]) -> torch.dtype | None:
-        """The dtype the op's floating inputs are cast to (policy/cast_rule.py), or None to leave them."""
+        """The dtype the op's floating inputs are cast to (policy/cast_rule.py), or None to leave them. A random
+        draw decides only where nothing else does (_draws): it takes the dtype of the values it meets."""
+        floats = [n for n in floats if n not in self.draws] or floats
         deciding = [n for n in floats if n.meta["val"].dim() > 0] or floats
         return cast_target(decision, self.level, self.low, [node_dtype(n) for n in deciding])
 
@@ -242,6 +247,46 @@ class _CastPass:
         self._refresh_meta(node)
         if node_dtype(node) in HALF_DTYPES and node_dtype(node) != self.traced_dtype.get(node):
             _clamp_scalars_to_range(node, node_dtype(node))
+        if self._draws(node):
+            self.draws[node] = None
+
+    def _draws(self, node: Node) -> bool:
+        """Whether `node` is a random draw whose float32 dtype the model likely took from a tensor, or a gray op
+        of such draws and numbers alone (`keep_prob + rand`, `floor_`).
+
+        HF's drop_path draws `torch.rand(shape, dtype=x.dtype)`: the FP32 trace froze x.dtype as float32, where x
+        runs low here and under autocast, and the float32 mask would promote the residual stream. A draw with no
+        dtype given keeps the default float32, as eager code does."""
+        if mark_of(node).decision in (GRAY, Decision.UNLISTED):
+            floats = [n for n in node.all_input_nodes if _is_castable(n)]
+            return bool(floats) and all(n in self.draws for n in floats)
+        return (
+            not node.all_input_nodes and torch.Tag.nondeterministic_seeded in node.target.tags
+            and has_explicit_float_dtype(node) and self.traced_dtype.get(node) == torch.float32
+        )
+
+    def _draw_in_the_dtype_of_their_readers(self) -> None:
+        """A random draw that every other op reads through a cast down (_target_dtype) is drawn low instead, with
+        the gray ops between: the dtypes eager code under autocast or auto_cast gives, and no cast."""
+        for draw in [n for n in self.draws if not n.all_input_nodes]:
+            chain = [draw]
+            for node in self.draws:  # in graph order: a node is in the chain once all its floating inputs are
+                if node.all_input_nodes and all(n in chain for n in node.all_input_nodes if _is_castable(n)):
+                    chain.append(node)
+            readers = [user for node in chain for user in node.users if user not in chain]
+            casts_down = [r for r in readers if r in self.cast_source and node_dtype(r) == self.low]
+            if not readers or len(casts_down) < len(readers):
+                continue
+            dtype = next(a for a in op_schema(draw.target).arguments if a.name == "dtype")
+            set_argument(draw, dtype, self.low)
+            mark = mark_of(draw)
+            draw.meta[MARK] = OpMark(mark.decision, "dtype traced float32: drawn in its readers' dtype", mark.module)
+            for node in chain:
+                node.meta["val"] = self._run_on_fake_values(node)
+                _clamp_scalars_to_range(node, self.low)
+            for cast in casts_down:
+                cast.replace_all_uses_with(cast.args[0])
+                self._erase_cast(cast)
 
     def _fp32_inside_the_kernel(self, node: Node, floats: list[Node]) -> str | None:
         """How a black op can read its low inputs as they are and compute in FP32 inside, with no cast kernel:
