@@ -170,6 +170,52 @@ def test_a_custom_autograd_function_is_one_node_with_its_bodies_cast_by_the_list
     assert [n.meta["val"].dtype for n in linears] == [torch.bfloat16, torch.bfloat16]
 
 
+class TanhGelu(torch.autograd.Function):
+    """BLOOM's GELU: gray ops only, and a backward of its own that reads the saved input."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * 0.5 * (1.0 + torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x)))
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        t = torch.tanh(0.79788456 * x * (1 + 0.044715 * x * x))
+        return grad * (0.5 * x * ((1 - t * t) * (0.79788456 + 0.1070322243 * x * x)) + 0.5 * (1 + t))
+
+
+class GeluMLP(QuantizedMLP):
+    def forward(self, x):
+        return self.down(TanhGelu.apply(self.up(x)))
+
+
+@pytest.mark.parametrize("inductor", [False, True], ids=["fx", "inductor"])
+def test_a_custom_autograd_functions_body_runs_in_the_dtype_of_the_operands_it_gets_as_under_autocast(bf16, inductor):
+    """Its low operand goes in low, as eager code under autocast passes it: the gray ops of the forward and of its
+    own backward run low (FP32 there would be silent FP32 work and FP32 saved activations)."""
+    torch.manual_seed(0)
+    model, x = GeluMLP(), torch.randn(8, 16)
+    reference = copy.deepcopy(model)
+    graphamp.rewrite(model, (x,), amp_lists=bf16, compile=inductor)
+    (graph,) = graphamp.rewritten_graphs(model)
+    (apply,) = [n for n in graph.graph_module.graph.nodes if "autograd_function_apply" in str(n.target)]
+    for body in (getattr(graph.graph_module, body.target) for body in apply.args[:2]):  # forward, backward
+        tanh = body.graph.find_nodes(op="call_function", target=torch.ops.aten.tanh.default)
+        assert [n.meta["val"].dtype for n in tanh] == [torch.bfloat16]
+    with CompiledCodeRecorder() as ours:
+        model(x).square().mean().backward()
+    with CompiledCodeRecorder() as autocasts:
+        with torch.autocast("cpu", torch.bfloat16):
+            expected = reference(x).square().mean()
+        expected.backward()
+    if not inductor:  # inductor fuses the body's ops into kernels of its own
+        assert [c.in_dtypes for c in ours.calls_of("tanh")] == [c.in_dtypes for c in autocasts.calls_of("tanh")]
+        assert len(ours.calls_of("tanh")) == 2
+    for parameter, want in zip(model.parameters(), reference.parameters()):
+        assert (parameter.grad - want.grad).norm() / want.grad.norm() < 0.02
+
+
 # -- RNNs are captured, their matmuls low ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind, op", [(nn.LSTM, torch.ops.aten.lstm.input), (nn.GRU, torch.ops.aten.gru.input)])

@@ -37,6 +37,7 @@ __all__ = ["INPUT_UPCAST", "RewriteReport", "insert_casts"]
 aten = torch.ops.aten
 # torch.autocast(..., enabled=False) captures as this higher-order op around a sub-graph.
 AUTOCAST_REGION = torch.ops.higher_order.wrap_with_autocast
+AUTOGRAD_FUNCTION = torch.ops.higher_order.autograd_function_apply
 MODEL_FP32_REGION = "model: autocast(enabled=False)"
 CAST_OP = aten._to_copy.default
 # The meta key the front end sets on its upcast of an input that arrives low and presents float32.
@@ -119,7 +120,7 @@ class _CastPass:
     """The walk over one graph; higher-order ops' sub-graphs get a walk of their own."""
 
     def __init__(self, graph_module, config: AmpConfig, report, fp32_placeholders=frozenset(), fp32_region=False,
-                 outputs_stay_low=False):
+                 outputs_stay_low=False, arriving_low: dict[int, torch.dtype] | None = None):
         self.graph_module = graph_module
         self.graph = graph_module.graph
         for node in self.graph.nodes:
@@ -152,6 +153,13 @@ class _CastPass:
             self.traced_dtype[upcast.args[0]] = torch.float32  # the FP32 model's value
             upcast.meta[MARK] = OpMark(Decision.INSERTED_CAST, "float32 of a low input", "")
         self.fake_mode = detect_fake_mode([n.meta.get("val") for n in self.graph.nodes]) or nullcontext()
+        # A body's inputs that arrive low (by position), where the trace had float32: read as they are, and every
+        # op reading them decided on their dtype (_visit_autograd_function).
+        placeholders = self.graph.find_nodes(op="placeholder")
+        for index, dtype in (arriving_low or {}).items():
+            if self.traced_dtype.get(placeholders[index]) == torch.float32:
+                placeholders[index].meta["val"] = self._val_in(placeholders[index].meta["val"], dtype)
+                self.low_inputs.add(placeholders[index])
 
     def run(self) -> None:
         for node in self.graph.nodes:  # first decide every op: no decision depends on a dtype the casts change
@@ -347,6 +355,9 @@ class _CastPass:
         """torch.cond, no_grad regions and the like: operands cross in their traced dtype, bodies are rewritten
         (left as traced inside an autocast-disabled region)."""
         fp32_region = mark_of(node).source == MODEL_FP32_REGION
+        if node.target is AUTOGRAD_FUNCTION and not fp32_region:
+            self._visit_autograd_function(node)
+            return
         replace = {}
         for value in node.all_input_nodes:
             if value.op == "get_attr":
@@ -357,6 +368,20 @@ class _CastPass:
                 replace[value] = self._cast(value, self.traced_dtype[value], node)
         if replace:
             node.args, node.kwargs = map_arg((node.args, node.kwargs), lambda n: replace.get(n, n))
+
+    def _visit_autograd_function(self, node: Node) -> None:
+        """A custom autograd.Function (BLOOM's GELU): as eager code under autocast, its forward takes the operands in
+        the dtypes they have here and its gray ops follow them; its backward takes the gradients and saved values in
+        the dtypes the forward gives them. Casting the operands back to float32 would run its body FP32."""
+        forward, backward = (getattr(self.graph_module, body.target) for body in node.args[:2])
+        low = {i: node_dtype(v) for i, v in enumerate(node.args[2:]) if node_dtype(v) in HALF_DTYPES}
+        kept_low = list(self.report.outputs_kept_low)  # positions in this graph's outputs, not in a body's
+        _CastPass(forward, self.config, self.report, outputs_stay_low=True, arriving_low=low).run()
+        leaves = pytree.tree_leaves(forward.graph.find_nodes(op="output")[0].args[0])
+        low = {i: node_dtype(v) for i, v in enumerate(leaves) if node_dtype(v) in HALF_DTYPES}
+        _CastPass(backward, self.config, self.report, outputs_stay_low=True, arriving_low=low).run()
+        self.report.outputs_kept_low[:] = kept_low
+        node.meta["val"] = self._run_on_fake_values(node)
 
     def _no_op_in_the_trace(self, node: Node) -> bool:
         """A `.to()` of the model's that returned its input itself in the trace (already that dtype and device)."""
@@ -513,9 +538,15 @@ class _CastPass:
         except Exception as error:  # the op has no kernel for these dtypes: say which op, and the fix
             raise RewriteError(cannot_run_message(node, error)) from error
 
+    def _fake_value(self, node: Node):
+        """A node's meta value; a higher-order op's body (a get_attr with none) is the sub-module itself."""
+        if node.op == "get_attr" and "val" not in node.meta:
+            return getattr(self.graph_module, node.target)
+        return node.meta.get("val")
+
     def _run_on_fake_values(self, node: Node):
         """What `node` returns on its inputs' meta values: shapes and dtypes, no data."""
-        args, kwargs = map_arg((node.args, node.kwargs), lambda n: n.meta.get("val"))
+        args, kwargs = map_arg((node.args, node.kwargs), self._fake_value)
         # The Python dispatcher runs composite ops' decompositions (linear, lstm) on symbolic sizes, as make_fx does.
         # An in-place op runs without autograd: export's meta value of a buffer it writes is a leaf requiring grad.
         writes = isinstance(node.target, OpOverload) and written_inputs(node)
