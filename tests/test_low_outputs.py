@@ -142,6 +142,32 @@ def test_a_value_crossing_a_graph_break_stays_low_and_the_next_graph_reads_it_as
         assert relative_error(mine.grad, theirs.grad) < 2e-2
 
 
+class ActivationAfterABreak(Head):
+    """A graph break between a GEMM and the gray ops that read its output."""
+
+    def forward(self, x):
+        hidden = self.fc(x)
+        torch._dynamo.graph_break()
+        return self.head(torch.tanh(hidden) * 2)
+
+
+def test_gray_ops_after_a_graph_break_decide_on_the_low_value_as_without_the_break(bf16, seeded):
+    model, x = ActivationAfterABreak(), torch.randn(4, 8)
+    twin = copy.deepcopy(model)
+    graphamp.rewrite(model, (x,), amp_lists=bf16)
+    assert len(graphamp.rewritten_graphs(model)) == 2
+    with CompiledCodeRecorder() as ours:
+        model(x).square().mean().backward()
+    with DtypeRecorder() as autocasts, torch.autocast("cpu", torch.bfloat16):
+        twin(x).square().mean().backward()
+    for op in ("tanh", "tanh_backward"):  # (the user's loss reads the output presented as float32: not compared)
+        assert [c.in_dtypes for c in ours.calls_of(op)] == [c.in_dtypes for c in autocasts.calls_of(op)], op
+        assert {d for c in ours.calls_of(op) for d in c.in_dtypes} == {torch.bfloat16}, op
+    assert ours.calls_of("mul")[0].in_dtypes == (torch.bfloat16,)  # `tanh(hidden) * 2`, before the loss's ops
+    for mine, theirs in zip(model.parameters(), twin.parameters()):
+        assert relative_error(mine.grad, theirs.grad) < 2e-2
+
+
 def test_it_saves_for_backward_no_more_than_autocast(bf16, seeded):
     model, x, y = LossAfterABreak(classes=512), torch.randn(64, 8), torch.randint(0, 512, (64,))
     twin = copy.deepcopy(model)

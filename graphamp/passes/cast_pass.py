@@ -217,10 +217,13 @@ class _CastPass:
 
     def _target_dtype(self, decision: str, floats: list[Node]) -> torch.dtype | None:
         """The dtype the op's floating inputs are cast to (policy/cast_rule.py), or None to leave them. A random
-        draw decides only where nothing else does (_draws): it takes the dtype of the values it meets."""
+        draw decides only where nothing else does (_draws): it takes the dtype of the values it meets. An input that
+        arrives low (the graph before a graph break computed it low) decides as the low value it is, as it would
+        without the break."""
         floats = [n for n in floats if n not in self.draws] or floats
         deciding = [n for n in floats if n.meta["val"].dim() > 0] or floats
-        return cast_target(decision, self.level, self.low, [node_dtype(n) for n in deciding])
+        dtypes = [node_dtype(self.cast_source[n] if n in self.input_upcasts else n) for n in deciding]
+        return cast_target(decision, self.level, self.low, dtypes)
 
     # -- visiting ------------------------------------------------------------------------------------------
     def _visit_op(self, node: Node) -> None:
