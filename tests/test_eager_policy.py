@@ -21,6 +21,7 @@ import models
 from models import Broken
 from encoder_models import ENCODERS
 from conftest import CompiledCodeRecorder, FrontEnd
+from training import relative_error
 from graphamp.inspection.recording import DtypeRecorder
 from graphamp.passes.marks import mark_of
 
@@ -123,6 +124,57 @@ def test_auto_cast_trains_like_torch_autocast(bf16):
     for mine, autocasts in zip(ours.parameters(), theirs.parameters()):
         assert mine.dtype == mine.grad.dtype == torch.float32
         torch.testing.assert_close(mine.grad, autocasts.grad)
+
+
+class SharedInput(nn.Module):
+    """One FP32 activation (a norm's output) read by three GEMMs, as q, k and v are."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.q, self.k, self.v = (nn.Linear(16, 16) for _ in range(3))
+
+    def forward(self, x):
+        h = self.norm(x)
+        return (self.q(h) * self.k(h)) @ self.v(h).transpose(0, 1)
+
+
+def test_auto_cast_casts_an_activation_several_ops_read_once_as_the_cast_pass_does(bf16):
+    torch.manual_seed(0)
+    ours, x = SharedInput(), torch.randn(8, 16)
+    theirs, in_graph = copy.deepcopy(ours), copy.deepcopy(ours)
+    with DtypeRecorder() as eager_run:
+        with graphamp.auto_cast(bf16):
+            out = ours(x)
+        out.sum().backward()
+    with DtypeRecorder() as autocasts:
+        with torch.autocast("cpu", torch.bfloat16):
+            expected = theirs(x)
+        expected.sum().backward()
+    graphamp.rewrite(in_graph, (x,), amp_lists=bf16)
+    with CompiledCodeRecorder() as graph_run:
+        in_graph(x).sum().backward()
+    # the norm's output is cast down once (autocast: three times), and its readers' three gradients are summed low
+    # before one cast back (autocast: three casts back, summed in float32), as in the graph
+    assert eager_run.casts == autocasts.casts - 4
+    summed = [c.in_dtypes for c in eager_run.calls_of("add")]
+    assert summed == [c.in_dtypes for c in graph_run.calls_of("add")] == [(torch.bfloat16, torch.bfloat16)] * 2
+    assert [c.in_dtypes for c in autocasts.calls_of("add")] == [(torch.float32, torch.float32)] * 2
+    for mine, want in zip(ours.parameters(), theirs.parameters()):
+        assert relative_error(mine.grad, want.grad) < 2e-2
+
+
+def test_auto_cast_recasts_an_activation_written_in_place_since_its_cast(bf16):
+    torch.manual_seed(0)
+    model, x = Head(), torch.randn(8, 16, requires_grad=True)
+    with graphamp.auto_cast(bf16):
+        h = x * 1.0  # an FP32 activation, not a leaf
+        first = model.body(h)  # its cast is saved for backward: alive
+        h.mul_(2)  # a write: the next read is cast anew
+        second = model.body(h)
+    (first.sum() + second.sum()).backward()
+    torch.testing.assert_close(second.float(), model.body(2 * x).detach(), atol=0.1, rtol=0.05)
+    torch.testing.assert_close(x.grad, 3 * model.body.weight.sum(0).expand_as(x), atol=0.1, rtol=0.05)
 
 
 def test_auto_cast_keeps_custom_black_ops_and_the_models_fp32_regions(bf16):

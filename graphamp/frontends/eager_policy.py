@@ -39,8 +39,8 @@ from graphamp.policy.dtypes import HALF_DTYPES
 from graphamp.policy.kernel_support import runs_low_on
 from graphamp.policy.lists import BLACK, GRAY, WHITE, AutoMixedPrecisionLists, Decision
 from graphamp.torch_private import (
-    OpOverload, OpOverloadPacket, dynamo_traces_this_thread, never_a_frame_of_its_own, op_schema, qualified_op_name,
-    tensor_version, tracing_on_fake_tensors,
+    OpOverload, OpOverloadPacket, dynamo_traces_this_thread, never_a_frame_of_its_own, op_schema, outside_every_mode,
+    qualified_op_name, tensor_version, tracing_on_fake_tensors,
 )
 
 __all__ = ["EagerPolicy", "ModelFacts", "auto_cast", "policy_lifted", "rules_for"]
@@ -197,8 +197,9 @@ class EagerPolicy(TorchFunctionMode):
         # Without black-module patterns a call's decision is its rule's alone: the hot path can skip the stack walk.
         self._by_op_alone = not self._model.black_modules
         # target dtype -> {id(weight): (weight, its version, its cast)}: as torch.autocast caches a weight's cast
-        # for its context
+        # for its context; and {id(activation): its cast, held weakly (_cast_once)}
         self._weight_casts: dict[torch.dtype, dict[int, tuple]] = {}
+        self._activation_casts: dict[torch.dtype, dict[int, tuple]] = {}
         self._casters: dict = {}  # target dtype -> its cast (_cast_to)
         self._to_low = self._cast_to(self.low)
         self._autocast_nesting = 0
@@ -215,7 +216,7 @@ class EagerPolicy(TorchFunctionMode):
         if not self.enabled:
             return False
         _o2_running.depth -= self.level == "O2"
-        for casts in self._weight_casts.values():
+        for casts in (*self._weight_casts.values(), *self._activation_casts.values()):
             casts.clear()  # each caster holds its own dict: emptied, not replaced
         return super().__exit__(*exc)
 
@@ -302,6 +303,7 @@ class EagerPolicy(TorchFunctionMode):
         """The cast of one input to `target`: only float32 down to low (as torch.autocast), any other floating dtype
         but float64 up to float32; a weight's cast made once per context and version."""
         weight_casts = self._weight_casts.setdefault(target, {})
+        activation_casts = self._activation_casts.setdefault(target, {})
         convert = _CAST_METHODS.get(target) or (lambda tensor: tensor.to(target))
         low_target = target in HALF_DTYPES
         float32, float64 = torch.float32, torch.float64
@@ -321,7 +323,7 @@ class EagerPolicy(TorchFunctionMode):
                 result = convert(tensor)
                 weight_casts[id(tensor)] = (tensor, version, result)
                 return result
-            return convert(tensor)
+            return _cast_once(tensor, convert, activation_casts)
 
         return cast
 
@@ -500,6 +502,26 @@ def _map_inputs(args, kwargs, rule: _Rule, cast):
     return tuple(map(one, args)), {k: (v if k == "out" else one(v)) for k, v in kwargs.items()} if kwargs else {}
 
 
+def _cast_once(tensor: torch.Tensor, convert, casts: dict) -> torch.Tensor:
+    """An activation several ops read (q, k and v of one normalized hidden state) is cast once per context, as the
+    cast pass casts a value once: one cast kernel, and its readers' gradients summed before one cast back. Both held
+    weakly, so that the context keeps nothing alive; a cast made under another grad mode is not reused."""
+    if tensor.is_inference():  # no version counter to tell a write
+        return convert(tensor)
+    grad_enabled = torch.is_grad_enabled()
+    cached = casts.get(id(tensor))
+    if cached is not None:
+        source, version, result, made_with_grad, result_version = cached
+        result = result()
+        if source() is tensor and version == tensor_version(tensor) and made_with_grad == grad_enabled and \
+                result is not None and result_version == tensor_version(result):
+            return result
+    result = convert(tensor)
+    casts[id(tensor)] = (weakref.ref(tensor), tensor_version(tensor), weakref.ref(result), grad_enabled,
+                         tensor_version(result))
+    return result
+
+
 def _promotes_on_meta(func, args, kwargs) -> bool:
     def meta(value):
         if isinstance(value, torch.Tensor):
@@ -508,8 +530,8 @@ def _promotes_on_meta(func, args, kwargs) -> bool:
             return type(value)(meta(v) for v in value)
         return value
 
-    try:
-        with torch.no_grad(), warnings.catch_warnings():
+    try:  # outside the caller's dispatch modes: a recorder or a FlopCounterMode sees no call of this probe
+        with torch.no_grad(), warnings.catch_warnings(), outside_every_mode():
             warnings.simplefilter("ignore")
             result = func(*(meta(a) for a in args), **{k: meta(v) for k, v in kwargs.items()})
     except Exception:  # the op wants matching dtypes: cast explicitly
