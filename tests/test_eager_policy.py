@@ -99,6 +99,39 @@ def test_auto_cast_decides_like_the_cast_pass_in_training_with_stochastic_depth(
     assert masks and set(masks) == {(torch.bfloat16,)}
 
 
+# Ops that only move, view or cast values (casts differ where the graph shares one): every other kernel is compared.
+MOVES_AND_CASTS = {
+    "_to_copy", "detach", "view", "t", "transpose", "expand", "permute", "clone", "_unsafe_view", "unsqueeze",
+    "squeeze", "reshape", "slice", "select", "split", "as_strided", "copy_", "empty", "empty_strided", "alias",
+    "split_with_sizes", "unbind", "contiguous", "lift_fresh", "ones_like", "zeros_like", "fill_", "zero_",
+}
+
+
+def floating_kernels(recorder: DtypeRecorder) -> Counter:
+    return Counter(
+        (call.op, tuple(d for d in call.in_dtypes if d.is_floating_point), call.out_dtypes)
+        for call in recorder.calls
+        if call.op not in MOVES_AND_CASTS and any(d.is_floating_point for d in call.in_dtypes + call.out_dtypes)
+    )
+
+
+@pytest.mark.parametrize("name", ["bert", "vit", "convnext", "swin", "resnet"])
+def test_a_train_step_under_auto_cast_runs_every_kernel_in_the_dtypes_the_rewritten_graphs_run_it(bf16, name):
+    """Forward and backward, every kernel but moves and casts: dropout, residual sums, gradient sums included."""
+    torch.manual_seed(0)
+    model, kwargs = (models.bert(), {"input_ids": models.token_batch()}) if name == "bert" else ENCODERS[name]()
+    model.train()
+    eager = copy.deepcopy(model)
+    with CompiledCodeRecorder() as by_policy:
+        with graphamp.auto_cast(bf16, model=eager):
+            output = eager(**kwargs)
+        output.logits.float().square().mean().backward()
+    graphamp.rewrite(model, (), kwargs, amp_lists=bf16)
+    with CompiledCodeRecorder() as by_pass:
+        model(**kwargs).logits.float().square().mean().backward()
+    assert floating_kernels(by_policy) == floating_kernels(by_pass)
+
+
 class Head(nn.Module):
     def __init__(self):
         super().__init__()
