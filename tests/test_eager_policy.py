@@ -340,6 +340,38 @@ def test_code_between_graphs_and_skipped_code_run_low(bf16):
         assert low_and_fp32(recorder) == (len(fp32.calls_of("addmm", "mm")), 0)
 
 
+class ActivationOutsideTheGraphs(nn.Module):
+    """A GEMM's low output read by gray ops in code dynamo skips, then by a GEMM in the next graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.second(self.activation(self.first(x)))
+
+    @torch.compiler.disable
+    def activation(self, h):
+        return torch.tanh(h) * 2
+
+
+def test_skipped_code_decides_on_a_graphs_low_output_by_its_storage_as_without_the_graphs(bf16):
+    torch.manual_seed(0)
+    model, x = ActivationOutsideTheGraphs(), torch.randn(4, 8)
+    twin = copy.deepcopy(model)
+    graphamp.rewrite(model, amp_lists=bf16)
+    with CompiledCodeRecorder() as ours:
+        model(x).sum().backward()
+    with CompiledCodeRecorder() as eager, graphamp.auto_cast(bf16):
+        twin(x).sum().backward()
+    for op in ("tanh", "tanh_backward"):
+        assert [c.in_dtypes for c in ours.calls_of(op)] == [c.in_dtypes for c in eager.calls_of(op)], op
+        assert {d for c in ours.calls_of(op) for d in c.in_dtypes} == {torch.bfloat16}, op
+    assert ours.calls_of("mul")[0].in_dtypes == (torch.bfloat16,)
+    for mine, theirs in zip(model.parameters(), twin.parameters()):
+        assert relative_error(mine.grad, theirs.grad) < 2e-2
+
+
 class RaisesOnNegativeBatches(nn.Module):
     def __init__(self):
         super().__init__()

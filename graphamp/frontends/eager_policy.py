@@ -32,6 +32,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from graphamp.errors import ArgumentError, DoubleAmpError
+from graphamp.frontends.low_storage import LowStorageTensor, stored_values
 from graphamp.policy.aten_ops import NORM_OPS, SAME_DTYPE_OPS
 from graphamp.policy.cast_rule import cast_target
 from graphamp.policy.config import AmpConfig, check_level, is_normalization_module
@@ -388,14 +389,19 @@ def _norm_data_kept(op: str, low: torch.dtype, values) -> bool:
     """Whether a normalization's data (its first tensor) is float32, or low where this device's kernel takes low data
     with FP32 parameters."""
     data = _first_tensor(values)
+    if type(data) is LowStorageTensor:
+        return False
     return data is None or data.dtype == torch.float32 or (data.dtype == low and _runs_low_on(op, data.device, low))
 
 
 def _one_floating_dtype(values) -> bool:
-    """Whether the floating tensors among the values (one level into lists) share one dtype."""
+    """Whether the floating tensors among the values (one level into lists) share one dtype, none a graph's low
+    output presented as float32 (decided by its storage: _deciding_dtypes)."""
     seen = None
     for value in values:
         if isinstance(value, torch.Tensor):
+            if type(value) is LowStorageTensor:
+                return False
             dtype = value.dtype
             if dtype is not seen and dtype.is_floating_point:
                 if seen is not None:
@@ -461,12 +467,13 @@ def _first_tensor(values) -> torch.Tensor | None:
 
 def _deciding_dtypes(floats: list[torch.Tensor]) -> list[torch.dtype]:
     """The dtypes that decide a gray op: its floating inputs' but a 0-dim tensor's (as in torch's type promotion),
-    unless it has no other."""
+    unless it has no other. A graph's low output presented as float32 decides by its storage, as the next graph
+    decides on it (cast_pass.py): code dynamo runs between two graphs decides as it would without the break."""
     dtypes = []
     for tensor in floats:
         if tensor.dim() > 0:
-            dtypes.append(tensor.dtype)
-    return dtypes or list(map(_DTYPE, floats))
+            dtypes.append(stored_values(tensor).dtype)
+    return dtypes or [stored_values(tensor).dtype for tensor in floats]
 
 
 def _floating_inputs(args, kwargs, rule: _Rule) -> list[torch.Tensor]:
