@@ -340,15 +340,11 @@ def test_code_between_graphs_and_skipped_code_run_low(bf16):
         assert low_and_fp32(recorder) == (len(fp32.calls_of("addmm", "mm")), 0)
 
 
-class ActivationOutsideTheGraphs(nn.Module):
+class ActivationOutsideTheGraphs(Head):
     """A GEMM's low output read by gray ops in code dynamo skips, then by a GEMM in the next graph."""
 
-    def __init__(self):
-        super().__init__()
-        self.first, self.second = nn.Linear(8, 16), nn.Linear(16, 4)
-
     def forward(self, x):
-        return self.second(self.activation(self.first(x)))
+        return self.head(self.activation(self.body(x)))
 
     @torch.compiler.disable
     def activation(self, h):
@@ -357,7 +353,7 @@ class ActivationOutsideTheGraphs(nn.Module):
 
 def test_skipped_code_decides_on_a_graphs_low_output_by_its_storage_as_without_the_graphs(bf16):
     torch.manual_seed(0)
-    model, x = ActivationOutsideTheGraphs(), torch.randn(4, 8)
+    model, x = ActivationOutsideTheGraphs(), torch.randn(4, 16)
     twin = copy.deepcopy(model)
     graphamp.rewrite(model, amp_lists=bf16)
     with CompiledCodeRecorder() as ours:
