@@ -107,11 +107,21 @@ MOVES_AND_CASTS = {
 }
 
 
+# The attention mask some torch versions' compiled HF code builds (its ops, and attention's mask input), where the
+# eager code leaves masking to the kernel: HF's choice, not a decision of graphamp's.
+MASK_OPS = {"scalar_tensor", "where"}
+ATTENTION_INPUTS_BUT_THE_MASK = {
+    "_scaled_dot_product_flash_attention_for_cpu": 3, "_scaled_dot_product_flash_attention_for_cpu_backward": 6,
+}
+
+
 def floating_kernels(recorder: DtypeRecorder) -> Counter:
     return Counter(
-        (call.op, tuple(d for d in call.in_dtypes if d.is_floating_point), call.out_dtypes)
+        (call.op, tuple(d for d in call.in_dtypes if d.is_floating_point)[:ATTENTION_INPUTS_BUT_THE_MASK.get(call.op)],
+         call.out_dtypes)
         for call in recorder.calls
-        if call.op not in MOVES_AND_CASTS and any(d.is_floating_point for d in call.in_dtypes + call.out_dtypes)
+        if call.op not in MOVES_AND_CASTS | MASK_OPS
+        and any(d.is_floating_point for d in call.in_dtypes + call.out_dtypes)
     )
 
 
