@@ -139,7 +139,7 @@ def _link(optimizers: list[OptimizerWithMixedPrecision], model: torch.nn.Module 
             "model=model).", FutureWarning, stacklevel=3,
         )
     for state in states:
-        state.link_loss_scaling(optimizers[0].run_graph_scaled)
+        state.backend.link_loss_scaling(optimizers[0].run_graph_scaled)
 
 
 class _Stage(enum.Enum):
@@ -262,7 +262,7 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
         for rewritten in rewritten_models(p for group in self.param_groups for p in group["params"]):
             for amp_state in amp_states(rewritten):
                 if amp_state.backend.linked_loss_scaling is None:
-                    amp_state.link_loss_scaling(self.run_graph_scaled)
+                    amp_state.backend.link_loss_scaling(self.run_graph_scaled)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._optimizer.zero_grad(set_to_none=set_to_none)
@@ -271,9 +271,7 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state dict plus ``"loss_scaler"``: scale, good/bad steps and config."""
-        state_dict = self._optimizer.state_dict()
-        state_dict["loss_scaler"] = self.loss_scaler.state_dict()
-        return state_dict
+        return {**self._optimizer.state_dict(), "loss_scaler": self.loss_scaler.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore both; a plain torch optimizer state dict (no ``"loss_scaler"``) leaves the scaling as it is."""
@@ -324,14 +322,15 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
         self._unscale(self._grads(), "unscale_")
 
     def _unscale(self, grads: list[torch.Tensor], what: str) -> None:
-        if not grads:
-            self._found_inf = None  # no gradient: nothing to unscale or check, and step() is eager's no-op
-        else:
-            self._check_scaled(what)
-            self._check_scaled_gradients_unchanged(grads, what)
-            scaled = self._iteration.loss_scaled
-            self._found_inf = self.loss_scaler.unscale_(grads) if scaled else self._check_true_gradients(grads)
+        # No gradient: nothing to unscale or check, and step() is eager's no-op.
+        self._found_inf = self._checked_found_inf(grads, what, self.loss_scaler.unscale_) if grads else None
         self._stage = _Stage.UNSCALED
+
+    def _checked_found_inf(self, grads: list[torch.Tensor], what: str, check_scaled: Callable) -> torch.Tensor:
+        """The found_inf of `grads` (by `check_scaled` where they hold the loss scaling), after the refusals."""
+        self._check_scaled(what)
+        self._check_scaled_gradients_unchanged(grads, what)
+        return check_scaled(grads) if self._iteration.loss_scaled else self._check_true_gradients(grads)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Unscale (unless ``unscale_()`` ran), skip the update if any gradient is inf/NaN, then update the scale.
@@ -358,13 +357,9 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
             # GradScaler's contract with fused optimizers: they unscale by `grad_scale` and skip on `found_inf`
             # inside their kernel; `grad_scale` is None when the gradients are already unscaled.
             if self._stage is _Stage.READY:
-                self._check_scaled("step")
-                self._check_scaled_gradients_unchanged(grads, "step")
-                scaled = self._iteration.loss_scaled
-                self._found_inf = self.loss_scaler.check_finite(grads) if scaled else self._check_true_gradients(grads)
-                optimizer.grad_scale = self.loss_scaler.loss_scaling if scaled else None
-            else:
-                optimizer.grad_scale = None
+                self._found_inf = self._checked_found_inf(grads, "step", self.loss_scaler.check_finite)
+            scaled = self._stage is _Stage.READY and self._iteration.loss_scaled
+            optimizer.grad_scale = self.loss_scaler.loss_scaling if scaled else None
             optimizer.found_inf = self._found_inf
             try:
                 result = optimizer.step()
