@@ -17,7 +17,7 @@ import torch
 from graphamp.training.loss_scaler import reciprocal_of
 from graphamp.torch_private import tensor_version
 
-__all__ = ["CheckedGradients", "run_scaled", "scale_gradients", "scaling_factors", "times_present", "unscale_gradients"]
+__all__ = ["CheckedGradients", "run_scaled", "scale_gradients", "times_present", "unscale_gradients"]
 
 
 def times_present(factor: torch.Tensor, grads) -> list:
@@ -187,11 +187,6 @@ def run_scaled(run, inputs: list, scale: torch.Tensor, checks: CheckedGradients 
     """`run(*inputs)` with the gradient entering its floating outputs times `scale` and that leaving into each
     input requiring grad (the master weights, an activation) divided by it: transparent from outside. The inf/NaN
     check of the gradients leaving goes to `checks`."""
-    up, down = scaling_factors(scale)
+    up, down = scale.clone(), reciprocal_of(scale)  # as of now: this iteration's step() must not reach its backward
     # Outputs computed from other outputs (HF's loss from the logits): only the gradient from outside is scaled.
     return scale_gradients(up, list(run(*unscale_gradients(down, inputs, checks))))
-
-
-def scaling_factors(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, 1/scale) as of now: the scale's update at this iteration's step() must not reach its backward."""
-    return scale.clone(), reciprocal_of(scale)

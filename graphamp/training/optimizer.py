@@ -213,11 +213,9 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
     """A torch optimizer with loss scaling; made by :func:`graphamp.decorate`. The name is Paddle's.
 
     Paddle's habit is ``opt.minimize(loss)``; GradScaler's, with true gradients to clip before the step, is
-    ``opt.backward(loss); opt.unscale_(); clip_grad_norm_(...); opt.step()``. ``backward(loss)`` may run several
-    times before ``step()`` (gradient accumulation); ``step()`` unscales once, skips the update on inf/NaN, then
-    updates the scale. Anywhere a torch optimizer goes: ``param_groups``, ``state``, ``defaults``, hooks and other
-    public attributes are the wrapped optimizer's; ``state_dict()`` adds a ``"loss_scaler"`` entry. Host syncs,
-    fused optimizers, closures and shared loss scalers: docs/loss_scaling.md.
+    ``opt.backward(loss); opt.unscale_(); clip_grad_norm_(...); opt.step()``. Anywhere a torch optimizer goes:
+    ``param_groups``, ``state``, ``defaults``, hooks and other public attributes are the wrapped optimizer's. Host
+    syncs, fused optimizers, closures and shared loss scalers: docs/loss_scaling.md.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, loss_scaler: LossScaler) -> None:
