@@ -208,8 +208,6 @@ def _count(least: int):
         if value < least:
             raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least {least}")
         return value
-
-    count.__name__ = "count"  # argparse names the type in its message
     return count
 
 
