@@ -193,11 +193,9 @@ class Probe:
             nodes.append(record)
             for position, tensor in enumerate(floating_leaves(value)):
                 if tensor.requires_grad and (index, position) in reference.grads:
-                    tensor.register_hook(
-                        lambda grad, key=(index, position), record=record: _compare_grad(
-                            grad, key, record, reference, self.loss_scaling, grad_order
-                        )
-                    )
+                    tensor.register_hook(lambda grad, key=(index, position), record=record: _compare_grad(
+                        grad, key, record, reference, self.loss_scaling, grad_order
+                    ))
 
         try:
             outputs, loss, parameter_grads = self._run(

@@ -266,10 +266,9 @@ class _AmpCall:
         hooks = global_module_hooks()
         if hooks != self.global_hooks:  # dynamo guards no global module hook its graphs did not see: compile anew
             self.global_hooks, self.compiled = hooks, state.compiled_call()
-        backend = state.backend
         try:
             with _interrupts_kept(), state.lock, state.eager_policy():
-                runs, compiled = backend.graph_runs, len(backend.graphs)
+                runs, compiled = state.backend.graph_runs, len(state.backend.graphs)
                 result = self.compiled(state.model, *args, **kwargs)
                 state.after_call(runs, compiled)
         except BackendCompilerFailed as error:

@@ -107,8 +107,7 @@ def _link(optimizers: list[OptimizerWithMixedPrecision], model: torch.nn.Module 
     none given)."""
     parameters = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
     if model is None:
-        found = rewritten_models(parameters)
-        states = [state for m in found for state in amp_states(m)]
+        states = [state for m in rewritten_models(parameters) for state in amp_states(m)]
     else:
         states = amp_states(model)
         if not states:
