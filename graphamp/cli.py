@@ -64,11 +64,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def _subcommand(subcommands, name: str, summary: str, description: str, example: str):
+def _subcommand(subcommands, name: str, run, summary: str, description: str, example: str):
     command = subcommands.add_parser(
         name, help=summary, description=f"{summary}\n\n{description}", epilog=f"example:\n  {example}",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    command.set_defaults(run=run)
     # also after the command name; SUPPRESS keeps a `graphamp --debug COMMAND` from being reset
     command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                          help="print the traceback of an error, too")
@@ -79,7 +80,7 @@ def _subcommand(subcommands, name: str, summary: str, description: str, example:
 
 def _add_lists(subcommands) -> None:
     command = _subcommand(
-        subcommands, "lists",
+        subcommands, "lists", _lists,
         "print the effective op lists, with where each entry comes from",
         "Prints the white, black and gray op lists and the FP32 module patterns in effect for one dtype, each\n"
         "entry with the file line (or argument) it comes from.",
@@ -87,7 +88,6 @@ def _add_lists(subcommands) -> None:
     )
     command.add_argument("--lists", metavar="DIR", help="a lists folder replacing the shipped lists/")
     command.add_argument("--dtype", choices=DTYPES, default="float16", help="the low-precision dtype (default float16)")
-    command.set_defaults(run=_lists)
 
 
 def _lists(args, parser) -> int:
@@ -99,7 +99,7 @@ def _lists(args, parser) -> int:
 
 def _add_check_lists(subcommands) -> None:
     command = _subcommand(
-        subcommands, "check-lists",
+        subcommands, "check-lists", _check_lists,
         "check a lists folder of your own",
         "Reads white.txt, black.txt, gray.txt and black_modules.txt for float16 and bfloat16: unknown ops, ops\n"
         "on two lists, bad section headers, misnamed files and a white list with no entries (every op would run\n"
@@ -108,7 +108,6 @@ def _add_check_lists(subcommands) -> None:
         "graphamp check-lists my_lists",
     )
     command.add_argument("folder", metavar="DIR", help="the lists folder to check")
-    command.set_defaults(run=_check_lists)
 
 
 def _check_lists(args, parser) -> int:
@@ -136,7 +135,7 @@ def _check_lists(args, parser) -> int:
 
 def _add_export(subcommands) -> None:
     command = _subcommand(
-        subcommands, "export",
+        subcommands, "export", _export,
         "export a model with graphamp's casts and write its graph, picture and report",
         "Imports MODULE (from the current folder or the Python path), calls FACTORY(), which returns\n"
         "(model, example_args) or (model, example_args, example_kwargs), exports the model with the casts\n"
@@ -147,7 +146,6 @@ def _add_export(subcommands) -> None:
     _add_model_arguments(command)
     command.add_argument("--out", metavar="DIR", required=True, help="the folder to write (created if missing)")
     command.add_argument("--force", action="store_true", help="replace the files of an earlier export in --out")
-    command.set_defaults(run=_export)
 
 
 def _export(args, parser) -> int:
@@ -166,7 +164,7 @@ def _export(args, parser) -> int:
 
 def _add_doctor(subcommands) -> None:
     command = _subcommand(
-        subcommands, "doctor",
+        subcommands, "doctor", _doctor,
         "find the op that overflows, measure each op against FP32, and suggest list edits",
         "Runs FACTORY()'s model forward and backward in FP32 and rewritten, node by node on the same inputs.\n"
         "Prints the first op that gives inf/NaN, the top offenders (overflow in the low dtype, error against FP32)\n"
@@ -186,7 +184,6 @@ def _add_doctor(subcommands) -> None:
     command.add_argument("--speedups", action="store_true", help="with --apply: also move the white candidates")
     command.add_argument("--auto", type=_positive_number, metavar="TOL",
                          help="search lists with the loss's relative error within TOL; written to OUT/auto_lists")
-    command.set_defaults(run=_doctor)
 
 
 def _positive_number(text: str) -> float:
@@ -208,8 +205,6 @@ def _count(least: int):
         if value < least:
             raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least {least}")
         return value
-
-    count.__name__ = "count"  # argparse names the type in its message
     return count
 
 

@@ -73,10 +73,9 @@ class DoctorReport:
         low = dtype_name(self.dtype)
 
         def harm(record):
-            runs_low = record.runs_in == low
             return (
                 record.nonfinite or record.grad_nonfinite,
-                record.overflow if runs_low else 0.0,
+                record.overflow if record.runs_in == low else 0.0,
                 ranked(record.local_error),
                 ranked(record.error),
             )
@@ -190,11 +189,8 @@ def doctor(
 def _report(model, amp_lists, level, steps, reference, comparison) -> DoctorReport:
     loss = None
     if reference.loss is not None and comparison.loss is not None:
-        loss = {
-            "fp32": reference.loss.item(),
-            "amp": comparison.loss.item(),
-            "relative_error": relative_error(comparison.loss, reference.loss),
-        }
+        error = relative_error(comparison.loss, reference.loss)
+        loss = {"fp32": reference.loss.item(), "amp": comparison.loss.item(), "relative_error": error}
     return DoctorReport(
         model=type(model).__name__, amp_lists=amp_lists, level=level, steps=steps, nodes=comparison.nodes,
         parameters=_parameters(comparison.parameter_grads, reference.parameter_grads),
@@ -293,11 +289,9 @@ def format_report(report: DoctorReport, count: int = 10) -> str:
         for r in report.top_offenders(count)
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines.append("")
-    lines.append(f"top {len(rows) - 1} offenders:")
+    lines += ["", f"top {len(rows) - 1} offenders:"]
     lines += ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
-    lines.append("")
-    lines.append("suggestions:" if report.suggestions else "suggestions: none")
+    lines += ["", "suggestions:" if report.suggestions else "suggestions: none"]
     for s in report.suggestions:
         lines.append(f"  - {s.text}" + ("  [verified by a rerun]" if s.verified else ""))
     return "\n".join(lines)

@@ -64,14 +64,13 @@ def write_lists(
             body = "[all]\n" + "".join(f"{name}\n" for name in sorted(amp_lists.promote_ops))
         else:
             entries, color = (modules, BLACK) if file == BLACK_MODULES_FILE else (ops, file.removesuffix(".txt"))
-            body = _sections(entries, color, diagnosed)
+            body = _sections(entries, color, diagnosed, other)
         (folder / file).write_text(header + body, encoding="utf-8")
     return folder
 
 
-def _sections(entries: dict, color: str, diagnosed) -> str:
+def _sections(entries: dict, color: str, diagnosed, other) -> str:
     """The [all], [float16] and [bfloat16] sections of the entries of `color`, one sorted entry a line."""
-    other = next(d for d in HALF_DTYPES if d != diagnosed)
     sections: dict[str, list[tuple[str, str]]] = {"all": [], **{dtype_name(d): [] for d in HALF_DTYPES}}
     for name in sorted(set(entries[diagnosed]) | set(entries[other])):
         mine, theirs = entries[diagnosed].get(name, ("", "")), entries[other].get(name, ("", ""))

@@ -187,18 +187,15 @@ class Probe:
             record.error = relative_error(value, expected)
             record.nonfinite = nonfinite_where_finite(value, expected)
             if _reruns(node):
-                inputs = map_arg((node.args, node.kwargs), lambda n: _aligned(n, reference, aligned))
-                record.local_error = relative_error(_call(node, inputs), expected)
+                record.local_error = relative_error(_call(node, lambda n: _aligned(n, reference, aligned)), expected)
                 runs_low = record.runs_in == dtype_name(low)
                 record.low_error = record.local_error if runs_low else self._low_error(node, reference, low, aligned)
             nodes.append(record)
             for position, tensor in enumerate(floating_leaves(value)):
                 if tensor.requires_grad and (index, position) in reference.grads:
-                    tensor.register_hook(
-                        lambda grad, key=(index, position), record=record: _compare_grad(
-                            grad, key, record, reference, self.loss_scaling, grad_order
-                        )
-                    )
+                    tensor.register_hook(lambda grad, key=(index, position), record=record: _compare_grad(
+                        grad, key, record, reference, self.loss_scaling, grad_order
+                    ))
 
         try:
             outputs, loss, parameter_grads = self._run(
@@ -255,7 +252,7 @@ class Probe:
             return v.to(low) if cast else v
 
         try:
-            return relative_error(_call(node, map_arg((node.args, node.kwargs), value)), reference.values[node.meta[_INDEX]])
+            return relative_error(_call(node, value), reference.values[node.meta[_INDEX]])
         except Exception:  # the op has no low-precision kernel here: it cannot move to white
             return None
 
@@ -327,7 +324,7 @@ def _aligned(node: Node, reference: Reference, memo: dict):
     if _INDEX in node.meta:
         value = _in_dtypes_of(reference.values[node.meta[_INDEX]], node.meta.get("val"))
     else:
-        value = _call(node, map_arg((node.args, node.kwargs), lambda n: _aligned(n, reference, memo)))
+        value = _call(node, lambda n: _aligned(n, reference, memo))
     memo[node] = value
     return value
 
@@ -341,8 +338,8 @@ def _in_dtypes_of(value, like):
     return value
 
 
-def _call(node: Node, inputs):
-    args, kwargs = inputs
+def _call(node: Node, value_of):
+    args, kwargs = map_arg((node.args, node.kwargs), value_of)
     with torch.no_grad():
         return node.target(*args, **kwargs)
 

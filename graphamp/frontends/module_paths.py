@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import itertools
 import re
 import warnings
 import weakref
@@ -154,9 +153,7 @@ def _state_paths(model: torch.nn.Module | None) -> dict[int, str]:
     """id(parameter or buffer) -> its path in `model`, which a graph's module paths are resolved against."""
     if model is None:
         return {}
-    named = itertools.chain(
-        model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)
-    )
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
     return {id(tensor): name for name, tensor in named}
 
 

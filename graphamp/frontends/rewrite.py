@@ -212,10 +212,6 @@ class AmpState:
         """The lists as a runtime policy for this call (graphamp.auto_cast on this model)."""
         return EagerPolicy(self.rules, self.model_facts)
 
-    def link_loss_scaling(self, run_scaled) -> None:
-        """Run this model's graphs through `run_scaled` (AmpBackend.link_loss_scaling), through reinstalls."""
-        self.backend.link_loss_scaling(run_scaled)
-
     def after_call(self, graph_runs_before: int, compiled_before: int) -> None:
         backend = self.backend
         if backend.graph_runs == graph_runs_before and not self.warned_eager_call:
@@ -270,10 +266,9 @@ class _AmpCall:
         hooks = global_module_hooks()
         if hooks != self.global_hooks:  # dynamo guards no global module hook its graphs did not see: compile anew
             self.global_hooks, self.compiled = hooks, state.compiled_call()
-        backend = state.backend
         try:
             with _interrupts_kept(), state.lock, state.eager_policy():
-                runs, compiled = backend.graph_runs, len(backend.graphs)
+                runs, compiled = state.backend.graph_runs, len(state.backend.graphs)
                 result = self.compiled(state.model, *args, **kwargs)
                 state.after_call(runs, compiled)
         except BackendCompilerFailed as error:
@@ -409,7 +404,6 @@ def _lock_hook_tables(model: nn.Module, lock) -> None:
                 table.lock = lock
 
 
-
 def _fresh_call_module():
     """`_call_module` with a code object of its own, named apart: dynamo keeps its cache and recompile limit per code
     object, and its automatic-dynamic record of input sizes per (file, line, name)."""
@@ -443,13 +437,10 @@ def _compile_ahead(model: nn.Module, args: tuple, kwargs: dict) -> None:
 
 
 def _end_fsdp2_iteration(model: nn.Module) -> None:
-    """The examples' call is a forward that no backward follows. FSDP2 reshards its root group after backward only,
-    so the root's parameters (embedding, final norm, head) would stay registered unsharded, and the optimizer built
-    next from model.parameters() would hold those: FSDP2 moves their gradients to the sharded parameters, which the
-    optimizer then neither steps nor zeroes.
-    FSDP2's own reset of an iteration that ends without its backward puts the sharded parameters back, as
-    fully_shard left them: `reset_iter_state()` on each root (torch 2.13 has it; not checked on 2.11), else each
-    module's `reshard()`."""
+    """The examples' call is a forward no backward follows, and FSDP2 reshards its root group after backward only:
+    the optimizer built next would hold the root's unsharded parameters, which it then neither steps nor zeroes
+    (docs/distributed.md). FSDP2's own reset puts the sharded ones back: `reset_iter_state()` on each root (torch
+    2.13 has it; not checked on 2.11), else each module's `reshard()`."""
     if not torch.distributed.is_available():
         return
     from torch.distributed.fsdp import FSDPModule
@@ -489,14 +480,11 @@ def _undo_conversion(model: nn.Module, before: dict, checkpointed: list[tuple[nn
     for module in model.modules():
         module.__dict__.update({k: OrderedDict(v) for k, v in vars(module).items() if type(v) is _HookTable})
     for name in _INSTALLED:
-        if name in before:
-            model.__dict__[name] = before[name]
-        else:
-            model.__dict__.pop(name, None)
+        model.__dict__.pop(name, None)
+    model.__dict__.update({name: before[name] for name in _INSTALLED if name in before})
     for module, forward in checkpointed:
-        if forward is None:
-            module.__dict__.pop("forward", None)
-        else:
+        module.__dict__.pop("forward", None)
+        if forward is not None:
             module.forward = forward
     _REWRITTEN.discard(model)
 

@@ -33,11 +33,8 @@ FILES = ("graph.py", "graph.json", "graph.svg", "report.html", "diff.txt")
 
 
 def export(what, out_dir, example_args=None, example_kwargs=None, overwrite: bool = False, model=None) -> Path:
-    """Write graph.py, graph.json, graph.svg, report.html and diff.txt for what graphamp rewrote.
-
-    One set of files for an ExportedProgram, one a graph it rewrote (out_dir/graph_0, graph_1, ...) for a rewritten
-    model or a backend; what report.html counts in each case (reruns leave buffers and RNG state as they were):
-    docs/inspect.md.
+    """Write graph.py, graph.json, graph.svg, report.html and diff.txt for what graphamp rewrote: into `out_dir`
+    for an ExportedProgram, into out_dir/graph_0, graph_1, ... for a rewritten model or a backend (docs/inspect.md).
 
     Args:
         what: the ExportedProgram graphamp.export_program() returned, a model graphamp.rewrite() converted (and
@@ -81,11 +78,10 @@ def _export_program(program: ExportedProgram, out: Path, example_args, example_k
     user_inputs = set(signature.user_inputs)
     lifted = [n for n in graph_module.graph.find_nodes(op="placeholder") if n.name not in user_inputs]
     name = type(model).__name__ if model is not None else "exported program"
-    texts = graph_files(
+    _write(out, graph_files(
         name, graph_module, report, graph_module.meta.get("graphamp_original_code", ""), lifted, state,
         lambda: count_executed_casts(program, model, inputs, report.dtype),
-    )
-    _write(out, texts)
+    ))
     return out
 
 
@@ -109,11 +105,10 @@ def _export_graphs(what, out: Path, overwrite: bool) -> Path:
         in_graph = sum(n.target == CAST_OP for n in graph.graph_module.graph.nodes)
         not_rerun = CastCounts(in_graph, None, False, "a torch.compile graph is not rerun; graphamp's count "
                                "is the cast nodes in the graph")
-        texts = graph_files(
+        _write(folder, graph_files(
             f"{name} graph {i}", graph.graph_module, graph.report, graph.original_code, lifted,
             graph.parameter_placeholders, lambda: not_rerun,
-        )
-        _write(folder, texts)
+        ))
     return out
 
 

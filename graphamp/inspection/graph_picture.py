@@ -180,11 +180,7 @@ class _Picture:
         """The nodes of `path`, then one nested cluster per child module path."""
         indent = "  " * depth
         lines = [indent + line for line in self.clusters.get(path, [])]
-        children = sorted(
-            {_child(path, other) for other in self.clusters if other != path and _child(path, other) is not None},
-            key=_natural,
-        )
-        for child in children:
+        for child in sorted({_child(path, other) for other in self.clusters} - {None}, key=_natural):
             parts = child.split(".")
             label = ".".join(parts[-2:]) if parts[-1].isdigit() and len(parts) > 1 else parts[-1]
             lines.append(f'{indent}subgraph "cluster_{_escape(child)}" {{')

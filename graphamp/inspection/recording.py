@@ -35,13 +35,11 @@ class DtypeRecorder(TorchDispatchMode):
         for stored in upcasts_of(func, args, kwargs or {}):  # a LowStorageTensor read: its upcast runs below here
             self.calls.append(KernelCall("_to_copy", (stored,), (torch.float32,)))
         out = func(*args, **(kwargs or {}))
-        self.calls.append(
-            KernelCall(
-                op_schema(func).name.removeprefix("aten::"),
-                tuple(t.dtype for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)),
-                tuple(t.dtype for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)),
-            )
-        )
+        self.calls.append(KernelCall(
+            op_schema(func).name.removeprefix("aten::"),
+            tuple(t.dtype for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)),
+            tuple(t.dtype for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)),
+        ))
         return out
 
     def calls_of(self, *ops: str) -> list[KernelCall]:

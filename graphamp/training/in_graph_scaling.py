@@ -17,7 +17,7 @@ import torch
 from graphamp.training.loss_scaler import reciprocal_of
 from graphamp.torch_private import tensor_version
 
-__all__ = ["CheckedGradients", "run_scaled", "scale_gradients", "scaling_factors", "times_present", "unscale_gradients"]
+__all__ = ["CheckedGradients", "run_scaled", "scale_gradients", "times_present", "unscale_gradients"]
 
 
 def times_present(factor: torch.Tensor, grads) -> list:
@@ -52,37 +52,31 @@ class _ScaleGradients(torch.autograd.Function):
     """Identity forward; backward multiplies every incoming gradient by `factor` (one foreach kernel)."""
 
     @staticmethod
-    def forward(ctx, factor: torch.Tensor, *tensors: torch.Tensor):
+    def forward(ctx, factor: torch.Tensor, checks: CheckedGradients | None, *tensors: torch.Tensor):
         ctx.set_materialize_grads(False)  # an unused parameter's gradient stays None, as in eager
         ctx.save_for_backward(factor)
+        ctx.checks = checks
+        ctx.owners = [None if checks is None else checks.owner_of(t) for t in tensors]
         # detach(): new tensors on the same storage, not views, so that a caller may write into an output in place
         return tuple(t.detach() for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads):
         (factor,) = ctx.saved_tensors
-        return (None, *times_present(factor, grads))
+        return (None, None, *times_present(factor, grads))
 
 
-class _UnscaleGradients(torch.autograd.Function):
+class _UnscaleGradients(_ScaleGradients):
     """The gradients leaving the graph into the master weights, times 1/scale: in place, in one fused
     `_amp_foreach_non_finite_check_and_unscale_` kernel, as `unscale_()` does, where the gradient is the graph's own
     (computed by its backward, dense, sharing storage with no other gradient of this call, no double backward);
     elsewhere out of place. Each kernel's found_inf goes to `checks`, so that step() need not check those again."""
 
     @staticmethod
-    def forward(ctx, factor: torch.Tensor, checks: CheckedGradients | None, *tensors: torch.Tensor):
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(factor)
-        ctx.checks = checks
-        ctx.owners = [None if checks is None else checks.owner_of(t) for t in tensors]
-        return tuple(t.detach() for t in tensors)
-
-    @staticmethod
     def backward(ctx, *grads):
-        (factor,) = ctx.saved_tensors
         if torch.is_grad_enabled():  # create_graph=True: the multiply must be differentiable
-            return (None, None, *times_present(factor, grads))
+            return _ScaleGradients.backward(ctx, *grads)
+        (factor,) = ctx.saved_tensors
         result, in_place, storages = [None, None, *grads], {}, set()
         for i, (grad, owner) in enumerate(zip(grads, ctx.owners), start=2):
             if grad is None:
@@ -115,9 +109,8 @@ class CheckedGradients:
     """The gradients the graphs divided and checked in place since the last step, each with its kernel's found_inf.
 
     A parameter's `.grad` counts as checked only while it is that very tensor, unchanged: the same storage, layout
-    and version. AccumulateGrad stores the graph's gradient as it is when `.grad` was None; a second micro-batch's
-    gradient added to it, a gradient from eager code, a hook's or DDP's copy, an in-place change since: all differ,
-    and `step()` checks them itself. (A write through `.grad.data` keeps the version and goes unseen.)
+    and version. Any other (summed over micro-batches, eager, copied, changed in place) `step()` checks itself:
+    docs/loss_scaling.md, "One pass, linked".
     """
 
     def __init__(self, owner_of: Callable[[torch.Tensor], object]) -> None:
@@ -169,7 +162,7 @@ def scale_gradients(factor: torch.Tensor, tensors: list[torch.Tensor]) -> list[t
     The tensors requiring grad are replaced by new ones (same storage) whose gradients pass through one
     `_ScaleGradients` node: only what reaches them from outside is scaled, not what reaches the originals.
     """
-    return _through(_ScaleGradients, factor, tensors)
+    return _through(_ScaleGradients, factor, tensors, None)
 
 
 def unscale_gradients(inv_scale: torch.Tensor, tensors: list[torch.Tensor],
@@ -179,13 +172,13 @@ def unscale_gradients(inv_scale: torch.Tensor, tensors: list[torch.Tensor],
     return _through(_UnscaleGradients, inv_scale, tensors, checks)
 
 
-def _through(function: type[torch.autograd.Function], factor: torch.Tensor, tensors: list, *extra) -> list:
+def _through(function: type[_ScaleGradients], factor: torch.Tensor, tensors: list, checks: CheckedGradients | None):
     """`tensors`, those requiring grad replaced by `function`'s outputs for them (one node for all)."""
     positions = [i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not positions:
         return tensors
     tensors = list(tensors)
-    for i, t in zip(positions, function.apply(factor, *extra, *(tensors[i] for i in positions))):
+    for i, t in zip(positions, function.apply(factor, checks, *(tensors[i] for i in positions))):
         tensors[i] = t
     return tensors
 
@@ -194,11 +187,6 @@ def run_scaled(run, inputs: list, scale: torch.Tensor, checks: CheckedGradients 
     """`run(*inputs)` with the gradient entering its floating outputs times `scale` and that leaving into each
     input requiring grad (the master weights, an activation) divided by it: transparent from outside. The inf/NaN
     check of the gradients leaving goes to `checks`."""
-    up, down = scaling_factors(scale)
+    up, down = scale.clone(), reciprocal_of(scale)  # as of now: this iteration's step() must not reach its backward
     # Outputs computed from other outputs (HF's loss from the logits): only the gradient from outside is scaled.
     return scale_gradients(up, list(run(*unscale_gradients(down, inputs, checks))))
-
-
-def scaling_factors(scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, 1/scale) as of now: the scale's update at this iteration's step() must not reach its backward."""
-    return scale.clone(), reciprocal_of(scale)

@@ -41,13 +41,11 @@ def reciprocal_of(scale: torch.Tensor) -> torch.Tensor:
 
 
 class LossScaler:
-    """The loss scaling, its good/bad step counters and Paddle's rule for updating them.
+    """The loss scaling, its good/bad step counters and Paddle's rule for updating them (docs/loss_scaling.md).
 
-    ``scale(loss)`` multiplies a loss by the scale (creating the state on the loss's device the first time),
-    ``unscale_(grads)`` divides gradients by it in place and returns ``found_inf``, ``update(found_inf)`` applies the
-    rule above. With ``use_dynamic_loss_scaling=False`` the scale stays at ``init_loss_scaling`` and the counters at
-    0, but gradients are still unscaled and still checked, so a step with inf/NaN gradients is still skipped (as
-    Paddle's GradScaler does with static scaling).
+    With ``use_dynamic_loss_scaling=False`` the scale stays at ``init_loss_scaling`` and the counters at 0, but
+    gradients are still unscaled and checked, so a step with inf/NaN gradients is still skipped (as Paddle's
+    GradScaler does with static scaling).
 
     ``process_group``: the ranks that must agree on ``found_inf``. None means torch.distributed's default group
     when it is initialised with more than one rank (looked up at each check, so the scaler may be built before
@@ -272,9 +270,8 @@ class LossScaler:
         good, bad = int(state_dict["good_steps"]), int(state_dict["bad_steps"])
         self._initial = (scale, good, bad)
         if self._scale is not None:
-            self._scale.fill_(scale)
-            self._good_steps.fill_(good)
-            self._bad_steps.fill_(bad)
+            for tensor, value in zip((self._scale, self._good_steps, self._bad_steps), self._initial):
+                tensor.fill_(value)
         self._found_inf = None
         self._choose_update(scale, bad)
 

@@ -107,8 +107,7 @@ def _link(optimizers: list[OptimizerWithMixedPrecision], model: torch.nn.Module 
     none given)."""
     parameters = [p for opt in optimizers for group in opt.param_groups for p in group["params"]]
     if model is None:
-        found = rewritten_models(parameters)
-        states = [state for m in found for state in amp_states(m)]
+        states = [state for m in rewritten_models(parameters) for state in amp_states(m)]
     else:
         states = amp_states(model)
         if not states:
@@ -139,7 +138,7 @@ def _link(optimizers: list[OptimizerWithMixedPrecision], model: torch.nn.Module 
             "model=model).", FutureWarning, stacklevel=3,
         )
     for state in states:
-        state.link_loss_scaling(optimizers[0].run_graph_scaled)
+        state.backend.link_loss_scaling(optimizers[0].run_graph_scaled)
 
 
 class _Stage(enum.Enum):
@@ -213,11 +212,9 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
     """A torch optimizer with loss scaling; made by :func:`graphamp.decorate`. The name is Paddle's.
 
     Paddle's habit is ``opt.minimize(loss)``; GradScaler's, with true gradients to clip before the step, is
-    ``opt.backward(loss); opt.unscale_(); clip_grad_norm_(...); opt.step()``. ``backward(loss)`` may run several
-    times before ``step()`` (gradient accumulation); ``step()`` unscales once, skips the update on inf/NaN, then
-    updates the scale. Anywhere a torch optimizer goes: ``param_groups``, ``state``, ``defaults``, hooks and other
-    public attributes are the wrapped optimizer's; ``state_dict()`` adds a ``"loss_scaler"`` entry. Host syncs,
-    fused optimizers, closures and shared loss scalers: docs/loss_scaling.md.
+    ``opt.backward(loss); opt.unscale_(); clip_grad_norm_(...); opt.step()``. Anywhere a torch optimizer goes:
+    ``param_groups``, ``state``, ``defaults``, hooks and other public attributes are the wrapped optimizer's. Host
+    syncs, fused optimizers, closures and shared loss scalers: docs/loss_scaling.md.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, loss_scaler: LossScaler) -> None:
@@ -262,7 +259,7 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
         for rewritten in rewritten_models(p for group in self.param_groups for p in group["params"]):
             for amp_state in amp_states(rewritten):
                 if amp_state.backend.linked_loss_scaling is None:
-                    amp_state.link_loss_scaling(self.run_graph_scaled)
+                    amp_state.backend.link_loss_scaling(self.run_graph_scaled)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._optimizer.zero_grad(set_to_none=set_to_none)
@@ -271,9 +268,7 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state dict plus ``"loss_scaler"``: scale, good/bad steps and config."""
-        state_dict = self._optimizer.state_dict()
-        state_dict["loss_scaler"] = self.loss_scaler.state_dict()
-        return state_dict
+        return {**self._optimizer.state_dict(), "loss_scaler": self.loss_scaler.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore both; a plain torch optimizer state dict (no ``"loss_scaler"``) leaves the scaling as it is."""
@@ -324,14 +319,15 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
         self._unscale(self._grads(), "unscale_")
 
     def _unscale(self, grads: list[torch.Tensor], what: str) -> None:
-        if not grads:
-            self._found_inf = None  # no gradient: nothing to unscale or check, and step() is eager's no-op
-        else:
-            self._check_scaled(what)
-            self._check_scaled_gradients_unchanged(grads, what)
-            scaled = self._iteration.loss_scaled
-            self._found_inf = self.loss_scaler.unscale_(grads) if scaled else self._check_true_gradients(grads)
+        # No gradient: nothing to unscale or check, and step() is eager's no-op.
+        self._found_inf = self._checked_found_inf(grads, what, self.loss_scaler.unscale_) if grads else None
         self._stage = _Stage.UNSCALED
+
+    def _checked_found_inf(self, grads: list[torch.Tensor], what: str, check_scaled: Callable) -> torch.Tensor:
+        """The found_inf of `grads` (by `check_scaled` where they hold the loss scaling), after the refusals."""
+        self._check_scaled(what)
+        self._check_scaled_gradients_unchanged(grads, what)
+        return check_scaled(grads) if self._iteration.loss_scaled else self._check_true_gradients(grads)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Unscale (unless ``unscale_()`` ran), skip the update if any gradient is inf/NaN, then update the scale.
@@ -358,13 +354,9 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
             # GradScaler's contract with fused optimizers: they unscale by `grad_scale` and skip on `found_inf`
             # inside their kernel; `grad_scale` is None when the gradients are already unscaled.
             if self._stage is _Stage.READY:
-                self._check_scaled("step")
-                self._check_scaled_gradients_unchanged(grads, "step")
-                scaled = self._iteration.loss_scaled
-                self._found_inf = self.loss_scaler.check_finite(grads) if scaled else self._check_true_gradients(grads)
-                optimizer.grad_scale = self.loss_scaler.loss_scaling if scaled else None
-            else:
-                optimizer.grad_scale = None
+                self._found_inf = self._checked_found_inf(grads, "step", self.loss_scaler.check_finite)
+            scaled = self._stage is _Stage.READY and self._iteration.loss_scaled
+            optimizer.grad_scale = self.loss_scaler.loss_scaling if scaled else None
             optimizer.found_inf = self._found_inf
             try:
                 result = optimizer.step()
