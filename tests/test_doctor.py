@@ -247,6 +247,11 @@ def test_steps_keep_the_worst_figure_of_each_node(bf16):
     assert [a.name for a, _ in pairs] == [b.name for _, b in pairs]
     assert all(b.error >= a.error for a, b in pairs)
     assert any(b.error > a.error for a, b in pairs)  # dropout drew other masks in the later steps
+    first_step = {p.name: p.grad_error for p in one.parameters}
+    assert sorted(first_step) == sorted(p.name for p in three.parameters)
+    assert all(p.grad_error >= first_step[p.name] for p in three.parameters)  # each parameter's own, by name
+    errors = [p.grad_error for p in three.parameters]
+    assert errors == sorted(errors, reverse=True)
 
 
 def test_a_gradient_that_overflows_is_found_in_backward(fp16):

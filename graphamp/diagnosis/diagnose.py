@@ -220,11 +220,15 @@ def _merge(report: DoctorReport, comparison, reference) -> None:
             setattr(report, first, by_name.get(getattr(comparison, first).name))
     if comparison.output_error is not None:
         report.output_error = max(ranked(report.output_error), comparison.output_error)
-    later = _parameters(comparison.parameter_grads, reference.parameter_grads)
-    for mine, theirs in zip(report.parameters, later):
+    later = {p.name: p for p in _parameters(comparison.parameter_grads, reference.parameter_grads)}
+    for mine in report.parameters:  # by name: each step ranks them worst first, and the ranking can change
+        theirs = later.get(mine.name)
+        if theirs is None:
+            continue
         mine.grad_error = max(ranked(mine.grad_error), ranked(theirs.grad_error))
         mine.grad_max_abs = max(ranked(mine.grad_max_abs), ranked(theirs.grad_max_abs))
         mine.grad_nonfinite |= theirs.grad_nonfinite
+    report.parameters.sort(key=lambda p: ranked(p.grad_error), reverse=True)
 
 
 def _parameters(grads: dict, expected: dict) -> list[ParameterGradient]:
