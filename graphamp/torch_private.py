@@ -43,7 +43,8 @@ __all__ = [
     "dynamo_traces_this_thread", "enable_python_dispatcher", "fused_step_takes_loss_scaling", "generate_code_now",
     "global_module_hooks", "group_by_device_and_dtype", "mark_dim_dynamic", "module_buffers",
     "never_a_frame_of_its_own", "op_schema", "op_schemas_named", "outside_every_mode", "pytree", "qualified_op_name",
-    "recompile_limit", "recording_functorch_transforms", "register_sub_graph", "set_dynamo_config",
+    "recompile_limit", "recording_functorch_transforms", "register_sub_graph", "rerun_checkpointed_region_as",
+    "set_dynamo_config",
     "size_oblivious_tracing", "sparse_values", "tensor_version", "trace_inside_make_fx", "tracing_context",
     "tracing_on_fake_tensors", "wrap_autocast_regions",
 ]
@@ -406,6 +407,22 @@ def composable_apis_on(module: nn.Module) -> dict:
 # The base class of BatchNorm*, SyncBatchNorm and InstanceNorm*: normalizations with running statistics. Pinned by
 # tests/test_backend.py (test_o2_keeps_normalization_weights_fp32).
 NormBase = nn.modules.batchnorm._NormBase
+
+
+def rerun_checkpointed_region_as(wrap) -> None:
+    """In the forward of a non-reentrant torch.utils.checkpoint region on this thread: make backward rerun the region's
+    function as `wrap(function)`, innermost, inside the autocast state the checkpoint restores (once per region: a
+    function `wrap` returns carries `graphamp_wrapped`). The region is found through the saved-tensor hooks it pushed,
+    the function in its frame's `recompute_fn`. Checked on torch 2.11 and 2.13. Pinned by tests/test_eager_policy.py
+    (test_a_checkpointed_region_is_recomputed_under_the_policy_it_ran_under)."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    pack = hooks[0] if hooks else None
+    if getattr(pack, "__qualname__", None) != "_checkpoint_hook.__init__.<locals>.pack_hook":
+        return
+    recompute = dict(zip(pack.__code__.co_freevars, pack.__closure__))["frame"].cell_contents.recompute_fn
+    function = dict(zip(recompute.__code__.co_freevars, recompute.__closure__))["fn"]
+    if not getattr(function.cell_contents, "graphamp_wrapped", False):
+        function.cell_contents = wrap(function.cell_contents)
 
 
 # -- tensors and optimizers --------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from torch.utils.flop_counter import FlopCounterMode
 
 import graphamp
@@ -374,6 +375,49 @@ def test_skipped_code_decides_on_a_graphs_low_output_by_its_storage_as_without_t
         assert [c.in_dtypes for c in ours.calls_of(op)] == [c.in_dtypes for c in eager.calls_of(op)], op
         assert {d for c in ours.calls_of(op) for d in c.in_dtypes} == {torch.bfloat16}, op
     assert ours.calls_of("mul")[0].in_dtypes == (torch.bfloat16,)
+    for mine, theirs in zip(model.parameters(), twin.parameters()):
+        assert relative_error(mine.grad, theirs.grad) < 2e-2
+
+
+class CheckpointedBlock(nn.Module):
+    """A block under torch.utils.checkpoint (non-reentrant, HF's default), with a graph break inside it when asked:
+    dynamo then runs the checkpoint eagerly, and its region is rerun in backward."""
+
+    def __init__(self, graph_break: bool):
+        super().__init__()
+        self.graph_break = graph_break
+        self.block, self.head = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8)), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(checkpoint(self.region, x, use_reentrant=False))
+
+    def region(self, x):
+        if self.graph_break:
+            torch._dynamo.graph_break()
+        return self.block(x)
+
+
+@pytest.mark.parametrize("front_end", ["auto_cast", "rewrite"])
+def test_a_checkpointed_region_is_recomputed_under_the_policy_it_ran_under(bf16, front_end):
+    torch.manual_seed(0)
+    model, x = CheckpointedBlock(graph_break=front_end == "rewrite"), torch.randn(4, 8)
+    twin = copy.deepcopy(model)
+    if front_end == "rewrite":
+        graphamp.rewrite(model, amp_lists=bf16)
+        with CompiledCodeRecorder() as ours:
+            model(x).sum().backward()
+    else:
+        with CompiledCodeRecorder() as ours:
+            with graphamp.auto_cast(bf16):
+                out = model(x)
+            out.sum().backward()  # torch checks the recomputed values' dtypes against the saved ones
+    with DtypeRecorder() as autocasts:
+        with torch.autocast("cpu", torch.bfloat16):
+            expected = twin(x)
+        expected.sum().backward()
+    # the forward's GEMMs, and the region's again, as far as torch's recomputation goes (it stops early)
+    assert [c.in_dtypes for c in ours.calls_of("addmm")] == [c.in_dtypes for c in autocasts.calls_of("addmm")]
+    assert {d for c in ours.calls_of("addmm") for d in c.in_dtypes} == {torch.bfloat16}
     for mine, theirs in zip(model.parameters(), twin.parameters()):
         assert relative_error(mine.grad, theirs.grad) < 2e-2
 

@@ -41,7 +41,7 @@ from graphamp.policy.kernel_support import runs_low_on
 from graphamp.policy.lists import BLACK, GRAY, WHITE, AutoMixedPrecisionLists, Decision
 from graphamp.torch_private import (
     OpOverload, OpOverloadPacket, dynamo_traces_this_thread, never_a_frame_of_its_own, op_schema, outside_every_mode,
-    qualified_op_name, tensor_version, tracing_on_fake_tensors,
+    qualified_op_name, rerun_checkpointed_region_as, tensor_version, tracing_on_fake_tensors,
 )
 
 __all__ = ["EagerPolicy", "ModelFacts", "auto_cast", "policy_lifted", "rules_for"]
@@ -240,6 +240,7 @@ class EagerPolicy(TorchFunctionMode):
         """A call whose inputs the rule may cast: the rest of the rule, in order."""
         if _lifted.depth or tracing_on_fake_tensors():
             return func(*args, **kwargs)
+        rerun_checkpointed_region_as(self._under_this_policy)
         if rule is _FOLLOW:
             return self._follow(func, args, kwargs)
         if rule.same_dtype and rule.writes_first and args and isinstance(args[0], torch.Tensor):
@@ -267,6 +268,17 @@ class EagerPolicy(TorchFunctionMode):
             return out.copy_(func(*args, **kwargs))
         args, kwargs = self._cast_inputs(func, rule, decision, args, kwargs)
         return func(*args, **kwargs)
+
+    def _under_this_policy(self, function):
+        """`function` run under a policy of the same rules and model: a torch.utils.checkpoint region this policy
+        casts in is rerun in backward, where no policy is entered; so it saves what the forward saved (torch checks),
+        as the checkpoint reenters autocast for autocast's casts."""
+        def under_the_policy(*args, **kwargs):
+            with EagerPolicy(self._rules, self._model):
+                return function(*args, **kwargs)
+
+        under_the_policy.graphamp_wrapped = True
+        return under_the_policy
 
     # -- deciding --------------------------------------------------------------------------------------------
     def _cast_inputs(self, func, rule: _Rule, decision: str, args, kwargs):
