@@ -419,9 +419,10 @@ def rerun_checkpointed_region_as(wrap) -> None:
     pack = hooks[0] if hooks else None
     if getattr(pack, "__qualname__", None) != "_checkpoint_hook.__init__.<locals>.pack_hook":
         return
-    recompute = dict(zip(pack.__code__.co_freevars, pack.__closure__))["frame"].cell_contents.recompute_fn
-    function = dict(zip(recompute.__code__.co_freevars, recompute.__closure__))["fn"]
-    if not getattr(function.cell_contents, "graphamp_wrapped", False):
+    frame = dict(zip(pack.__code__.co_freevars, pack.__closure__)).get("frame")
+    recompute = getattr(frame and frame.cell_contents, "recompute_fn", None)
+    function = dict(zip(recompute.__code__.co_freevars, recompute.__closure__ or ())).get("fn") if recompute else None
+    if function is not None and not getattr(function.cell_contents, "graphamp_wrapped", False):
         function.cell_contents = wrap(function.cell_contents)
 
 
