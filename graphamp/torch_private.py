@@ -419,11 +419,16 @@ def rerun_checkpointed_region_as(wrap) -> None:
     pack = hooks[0] if hooks else None
     if getattr(pack, "__qualname__", None) != "_checkpoint_hook.__init__.<locals>.pack_hook":
         return
-    frame = dict(zip(pack.__code__.co_freevars, pack.__closure__)).get("frame")
-    recompute = getattr(frame and frame.cell_contents, "recompute_fn", None)
-    function = dict(zip(recompute.__code__.co_freevars, recompute.__closure__ or ())).get("fn") if recompute else None
+    frame = _closure_cell(pack, "frame")
+    recompute = getattr(frame.cell_contents, "recompute_fn", None) if frame is not None else None
+    function = _closure_cell(recompute, "fn") if recompute is not None else None
     if function is not None and not getattr(function.cell_contents, "graphamp_wrapped", False):
         function.cell_contents = wrap(function.cell_contents)
+
+
+def _closure_cell(function, name: str):
+    """The cell through which `function` reads the enclosing variable `name`, or None."""
+    return dict(zip(function.__code__.co_freevars, function.__closure__ or ())).get(name)
 
 
 # -- tensors and optimizers --------------------------------------------------------------------------------------

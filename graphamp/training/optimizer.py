@@ -512,8 +512,10 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
 
 
 # torch.optim.Optimizer defines these, so __getattr__ never reaches them: they go to the wrapped optimizer.
-for _name in ("add_param_group", "register_step_pre_hook", "register_step_post_hook", "register_state_dict_pre_hook",
-              "register_state_dict_post_hook", "register_load_state_dict_pre_hook", "register_load_state_dict_post_hook"):
+for _name in (
+    "add_param_group", "register_step_pre_hook", "register_step_post_hook", "register_state_dict_pre_hook",
+    "register_state_dict_post_hook", "register_load_state_dict_pre_hook", "register_load_state_dict_post_hook",
+):
     setattr(OptimizerWithMixedPrecision, _name, _delegated(_name))
 
 
