@@ -5,12 +5,14 @@ scaling), bfloat16 with the plain optimizer. TF32 is off, so the FP32 runs are F
 """
 
 import copy
+from collections import Counter
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import graphamp
+from conftest import CompiledCodeRecorder
 from models import LSTMClassifier, PooledSum, SmallResNet, bert, digits, gpt2, large_inputs, token_batch
 from graphamp.inspection.recording import DtypeRecorder
 from training import adamw, hf_loss, mean_loss_of_first_and_last_epoch, relative_error
@@ -86,6 +88,15 @@ def train(net, parameters, batches, loss_fn, make_optimizer, amp_lists=None):
     return mean_loss_of_first_and_last_epoch(net, optimizer, batches, loss_fn, TRAINING_STEPS)
 
 
+def assert_tracks_fp32(first, last, expected_last, model=None):
+    """The run's loss fell, finite, to within TRAINING_LOSS_RTOL of FP32's; the master weights stayed FP32."""
+    assert torch.isfinite(torch.tensor([first, last])).all()
+    assert last < first
+    assert relative_error(last, expected_last) < TRAINING_LOSS_RTOL
+    for parameter in model.parameters() if model is not None else ():
+        assert parameter.dtype == torch.float32 and parameter.grad.dtype == torch.float32
+
+
 @pytest.mark.parametrize("dtype, case", PARAMS)
 def test_white_kernels_run_in_the_low_dtype_on_cuda(dtype, case):
     model, _, batches, loss_fn, _ = built(case)
@@ -110,9 +121,7 @@ def test_cuda_training_loss_decreases_and_tracks_fp32(dtype, case):
     first, last = train(amp, model.parameters(), batches, loss_fn, make_optimizer, amp_lists)
     _, expected_last = train(reference, reference.parameters(), batches, loss_fn, make_optimizer)
 
-    assert torch.isfinite(torch.tensor([first, last])).all()
-    assert last < first
-    assert relative_error(last, expected_last) < TRAINING_LOSS_RTOL
+    assert_tracks_fp32(first, last, expected_last)
 
 
 @pytest.mark.parametrize("dtype, case", PARAMS)
@@ -143,11 +152,7 @@ def test_cuda_compiled_training_loss_decreases_and_tracks_fp32(dtype, case):
     first, last = train(amp, model.parameters(), batches, loss_fn, make_optimizer, amp_lists)
     _, expected_last = train(reference, reference.parameters(), batches, loss_fn, make_optimizer)
 
-    assert torch.isfinite(torch.tensor([first, last])).all()
-    assert last < first
-    assert relative_error(last, expected_last) < TRAINING_LOSS_RTOL
-    for parameter in model.parameters():
-        assert parameter.dtype == torch.float32 and parameter.grad.dtype == torch.float32
+    assert_tracks_fp32(first, last, expected_last, model)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -167,7 +172,7 @@ def test_cuda_compiled_backward_keeps_black_modules_in_fp32(dtype):
     x = torch.randn(16, 32, device=DEVICE)
     lists = graphamp.AutoMixedPrecisionLists(dtype=dtype, custom_black_modules=["2"])
     with torch._inductor.config.patch(post_grad_custom_post_pass=record, fx_graph_cache=False):
-        amp = graphamp.rewrite(model, (x,), amp_lists=lists, compile=True, progress=False)
+        amp = graphamp.rewrite(model, (x,), amp_lists=lists, compile=True)
         amp(x).sum().backward()
 
     backward_matmuls = post_grad_graphs[-1]
@@ -185,3 +190,80 @@ def test_cuda_doctor_finds_the_float16_overflow_and_its_verified_fix():
     fixes = [(s.kind, s.target, s.verified) for s in report.suggestions if s.kind != "white_op"]
     assert fixes == [("black_module", "pool", True)]
     assert graphamp.doctor(model, (x, target), amp_lists=report.suggested_lists()).finite
+
+
+# The kernels whose dtypes the lists decide on CUDA: the white ones, and the loss's log-softmax and NLL (black).
+DECIDED_KERNELS = (*WHITE_KERNELS, "_log_softmax", "nll_loss_forward")
+
+
+def decided_kernels(recorder):
+    return Counter(
+        (call.op, tuple(d for d in call.in_dtypes if d.is_floating_point)[:3])
+        for call in recorder.calls if call.op in DECIDED_KERNELS
+    )
+
+
+def under_auto_cast(model, amp_lists, loss_fn):
+    """(net, loss_fn) for train(): the forward and the loss run together under graphamp.auto_cast, as torch.autocast's
+    recipe puts them (a loss outside the context would take the low logits as they are)."""
+
+    def inputs(*args, **kwargs):
+        return args, kwargs
+
+    def loss(batch, target):
+        args, kwargs = batch
+        with graphamp.auto_cast(amp_lists, model=model):
+            return loss_fn(model(*args, **kwargs), target)
+
+    return inputs, loss
+
+
+@pytest.mark.parametrize("dtype, case", PARAMS)
+def test_cuda_auto_cast_runs_each_decided_kernel_in_the_dtype_the_rewritten_graphs_run_it(dtype, case):
+    """Forward and backward on the GPU: the eager policy and the cast pass decide alike, op by op."""
+    model, eager, batches, loss_fn, _ = built(case)
+    args, kwargs, target = batches[0]
+    amp_lists = graphamp.AutoMixedPrecisionLists(dtype=dtype)
+    net, loss = under_auto_cast(eager, amp_lists, loss_fn)
+    with CompiledCodeRecorder() as by_policy:
+        loss(net(*args, **kwargs), target).backward()
+    graphamp.rewrite(model, args, kwargs, amp_lists=amp_lists)
+    with CompiledCodeRecorder() as by_pass:
+        loss_fn(model(*args, **kwargs), target).backward()
+    assert decided_kernels(by_policy) == decided_kernels(by_pass)
+    assert any(DTYPES[dtype] in dtypes for _, dtypes in decided_kernels(by_policy))
+
+
+@pytest.mark.parametrize("dtype, case", PARAMS)
+def test_cuda_auto_cast_training_loss_decreases_and_tracks_fp32(dtype, case):
+    """graphamp.auto_cast on the GPU, float16 through decorate's loss scaling outside any graph."""
+    model, reference, batches, loss_fn, make_optimizer = built(case)
+    amp_lists = graphamp.AutoMixedPrecisionLists(dtype=dtype)
+
+    net, loss = under_auto_cast(model, amp_lists, loss_fn)
+    first, last = train(net, model.parameters(), batches, loss, make_optimizer, amp_lists)
+    _, expected_last = train(reference, reference.parameters(), batches, loss_fn, make_optimizer)
+
+    assert_tracks_fp32(first, last, expected_last, model)
+
+
+def test_cuda_compiled_outputs_keep_low_storage_and_train_with_loss_scaling():
+    """A compiled float16 GPT-2's logits present float32 over float16 storage (no float32 copy of the largest
+    activation), and the in-graph loss scaling leaves true, finite FP32 gradients."""
+    model, reference, batches, loss_fn, make_optimizer = built(gpt2_case)
+    args, kwargs, target = batches[0]
+    amp_lists = graphamp.AutoMixedPrecisionLists(dtype="float16")
+    amp = graphamp.rewrite(model, args, kwargs, amp_lists=amp_lists, compile=True)
+    optimizer = graphamp.decorate(make_optimizer(model.parameters()), amp_lists=amp_lists, model=amp)
+
+    output = amp(*args, **kwargs)
+    loss_fn(output, target).backward()
+    loss_fn(reference(*args, **kwargs), target).backward()
+
+    assert output.logits.dtype == torch.float32
+    assert graphamp.stored_values(output.logits).dtype == torch.float16
+    for mine, fp32 in zip(model.parameters(), reference.parameters()):
+        assert mine.grad.dtype == torch.float32 and torch.isfinite(mine.grad).all()
+        assert relative_error(mine.grad.norm(), fp32.grad.norm()) < 5e-2
+    optimizer.step()
+    assert optimizer.loss_scaler.bad_steps == 0

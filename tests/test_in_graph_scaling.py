@@ -119,6 +119,50 @@ def test_gradients_between_the_graphs_of_a_graph_break_are_true(fp16, seeded):
         assert relative_error(a, b) < FP16_GRADIENT_RTOL
 
 
+class HeadThenBreak(nn.Module):
+    """A float16 head whose logits leave the graph (low, presented float32), then a graph break before the loss."""
+
+    def __init__(self, loss_in_a_graph_of_its_own: bool):
+        super().__init__()
+        self.body, self.head = nn.Linear(8, 16), nn.Linear(16, 32)
+        self.loss_in_a_graph_of_its_own = loss_in_a_graph_of_its_own
+
+    def forward(self, x):
+        logits = self.head(torch.tanh(self.body(x)))
+        if not self.loss_in_a_graph_of_its_own:
+            return logits
+        torch._dynamo.graph_break()
+        return TINY * logits.float().square().sum()
+
+
+# A loss gradient below float16's smallest subnormal (6e-8) until the loss scaling lifts it: a large vocabulary's
+# cross-entropy gives most logits such gradients (probability / tokens), and GradScaler keeps them.
+TINY = 1e-9
+
+
+@pytest.mark.parametrize("where", ["outside the graphs", "in a graph after a break"])
+def test_a_gradient_too_small_for_float16_unscaled_reaches_the_weights_as_under_grad_scaler(fp16, seeded, where):
+    """The scale multiplies the float32 gradient that reaches a low output before it is cast low, and the gradient
+    leaving a graph into another graph's low output goes back in float32: none is cast to float16 unscaled."""
+    model = HeadThenBreak(loss_in_a_graph_of_its_own=where != "outside the graphs")
+    eager = copy.deepcopy(model)
+    x = batch(1)[0]
+    graphamp.rewrite(model, (x,), amp_lists=fp16)
+    graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, model=model)
+    loss = model(x)
+    (loss if model.loss_in_a_graph_of_its_own else TINY * loss.float().square().sum()).backward()
+    with torch.autocast("cpu", dtype=torch.float16):
+        reference = eager(x) if eager.loss_in_a_graph_of_its_own else TINY * eager(x).float().square().sum()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    scaler.scale(reference).backward()
+    scaler.unscale_(torch.optim.SGD(eager.parameters(), lr=0.1))
+
+    assert len(graphamp.rewritten_graphs(model)) == (2 if model.loss_in_a_graph_of_its_own else 1)
+    for (name, mine), grad_scalers in zip(model.named_parameters(), grads(eager)):
+        assert grad_scalers.abs().sum() > 0, name
+        assert relative_error(mine.grad, grad_scalers) < FP16_GRADIENT_RTOL, name
+
+
 def test_gradient_accumulation_adds_true_gradients(fp16):
     model, eager = rewritten_and_eager(fp16)
     graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, model=model)

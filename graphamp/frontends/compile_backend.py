@@ -189,10 +189,13 @@ class AmpBackend:
         return self._runner(graph, compiled, reuse_check)
 
     def _runner(self, graph: BackendGraph, run, reuse_check=None):
+        def as_the_caller_sees_it(*args):
+            # Another graph's low outputs go in as their storage (to_aten); the low outputs come out as float32.
+            return _presented(run(*graph_inputs(args)), graph.report.outputs_kept_low)
+
         def call(*args):
             if reuse_check is not None:
                 reuse_check(args)
-            args = graph_inputs(args)  # another graph's low outputs go in as their storage (to_aten)
             self.graph_runs += 1
             graph.runs += 1
             self._module_paths.graph_ran(graph.runs)
@@ -201,10 +204,10 @@ class AmpBackend:
             # sees the fx code's ATen calls one by one (dynamo traced the modes; inductor's kernels skip them too).
             with policy_lifted(), torch_function_off():
                 if run_scaled is None or not torch.is_grad_enabled():
-                    outputs = run(*args)
-                else:
-                    outputs = run_scaled(run, args)  # the loss scaling inside the graph (training/in_graph_scaling)
-            return _presented(outputs, graph.report.outputs_kept_low)
+                    return as_the_caller_sees_it(*args)
+                # The loss scaling inside the graph (training/in_graph_scaling), around the float32 the caller sees:
+                # a gradient is scaled in float32 before it is cast low, as the loss is before autocast's casts.
+                return run_scaled(as_the_caller_sees_it, args)
 
         return call
 

@@ -14,6 +14,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from graphamp.frontends.low_storage import LowStorageTensor, stored_values
 from graphamp.training.loss_scaler import reciprocal_of
 from graphamp.torch_private import tensor_version
 
@@ -32,8 +33,15 @@ def times_present(factor: torch.Tensor, grads) -> list:
     given = [g for g in grads if g is not None]
     if not given:
         return list(grads)
-    scaled = iter(_Times.apply(factor, *given) if torch.is_grad_enabled() else torch._foreach_mul(given, factor))
+    scaled = iter(_Times.apply(factor, *given) if torch.is_grad_enabled() else _times(given, factor))
     return [None if g is None else next(scaled) for g in grads]
+
+
+def _times(grads: list[torch.Tensor], factor: torch.Tensor) -> list[torch.Tensor]:
+    """`grads` times `factor` in float32 arithmetic, each back in its own dtype. A float16 tensor times a float32
+    CUDA scalar tensor rounds the factor to float16 first, where 2**16, the first scale, is inf."""
+    products = torch._foreach_mul([g.float() for g in grads], factor)
+    return [p if p.dtype == g.dtype else p.to(g.dtype) for p, g in zip(products, grads)]
 
 
 class _Times(torch.autograd.Function):
@@ -41,7 +49,7 @@ class _Times(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, factor: torch.Tensor, *grads: torch.Tensor):
-        return tuple(torch._foreach_mul(list(grads), factor))
+        return tuple(_times(list(grads), factor))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -81,12 +89,17 @@ class _UnscaleGradients(_ScaleGradients):
         for i, (grad, owner) in enumerate(zip(grads, ctx.owners), start=2):
             if grad is None:
                 continue
+            if isinstance(grad, LowStorageTensor):
+                # Into another graph's low output, which presents float32: the true gradient in float32, since
+                # float16 cannot hold it unscaled (the output's own scaling takes it from there).
+                result[i] = stored_values(grad).float() * factor.to(grad.device)
+                continue
             storage = grad.untyped_storage().data_ptr()
             if grad.is_contiguous() and grad.is_floating_point() and storage not in storages:
                 # One found_inf per optimizer of decorate([a, b]): each skips on its own gradients only.
                 in_place.setdefault((grad.device, grad.dtype, owner), []).append(grad)
             else:  # an expanded gradient, or one an add's backward also gave another input: leave it unwritten
-                result[i] = grad * factor.to(grad.device)
+                result[i] = _times([grad], factor.to(grad.device))[0]
             storages.add(storage)
         for (device, _, _), same_kind in in_place.items():
             found_inf = torch.zeros((), dtype=torch.float32, device=device)
