@@ -163,6 +163,54 @@ def test_a_gradient_too_small_for_float16_unscaled_reaches_the_weights_as_under_
         assert relative_error(mine.grad, grad_scalers) < FP16_GRADIENT_RTOL, name
 
 
+class OutputShapes(TorchDispatchMode):
+    """The shapes of what each ATen call run eagerly returns (an inductor kernel is no ATen call)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.shapes += [tuple(t.shape) for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return out
+
+
+def test_a_gradient_crossing_a_graph_break_goes_on_scaled_in_float16_untouched(fp16, seeded):
+    """Between the loss graph and the head's graph the logits' gradient stays as the loss graph left it, scaled
+    in float16: no kernel between the graphs copies, casts or multiplies it (the largest tensor of a language
+    model's backward)."""
+    model, x = HeadThenBreak(loss_in_a_graph_of_its_own=True), batch(1)[0]
+    graphamp.rewrite(model, (x,), amp_lists=fp16, compile=True)
+    graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, model=model)
+    loss = model(x)
+    with OutputShapes() as backward:
+        loss.backward()
+    logits_shape = (x.shape[0], model.head.out_features)
+    assert backward.shapes and logits_shape not in backward.shapes
+
+
+class LossAfterBreakAndLogits(HeadThenBreak):
+    def forward(self, x):
+        logits = self.head(torch.tanh(self.body(x)))
+        torch._dynamo.graph_break()
+        return logits.float().square().mean(), logits
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["fx code", "inductor"])
+def test_an_output_crossing_a_break_into_a_loss_and_read_outside_gets_both_gradients(fp16, seeded, compile):
+    """The scaled float16 gradient the loss graph leaves is summed with the true one from outside as float32."""
+    model = LossAfterBreakAndLogits(loss_in_a_graph_of_its_own=True)
+    eager, x = copy.deepcopy(model), batch(1)[0]
+    graphamp.rewrite(model, (x,), amp_lists=fp16, compile=compile)
+    graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, model=model)
+    for net in (model, eager):
+        loss, logits = net(x)
+        (loss + 1e-3 * logits.sum() + TINY * logits.square().sum()).backward()
+    for a, b in zip(grads(model), grads(eager)):
+        assert relative_error(a, b) < FP16_GRADIENT_RTOL
+
+
 def test_gradient_accumulation_adds_true_gradients(fp16):
     model, eager = rewritten_and_eager(fp16)
     graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, model=model)

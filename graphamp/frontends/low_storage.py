@@ -17,7 +17,8 @@ from graphamp.torch_private import (
 )
 
 __all__ = [
-    "LowStorageTensor", "example_of_storage", "graph_inputs", "presented_as_float32", "stored_values", "upcasts_of",
+    "LowStorageTensor", "example_of_storage", "graph_inputs", "presented_as_float32", "stored_values", "times_of",
+    "upcasts_of",
 ]
 
 aten = torch.ops.aten
@@ -36,14 +37,19 @@ _STORAGE_OPS = {
 class LowStorageTensor(torch.Tensor):
     """A float32 tensor whose values are stored in bfloat16 or float16: what a rewritten model returns where the
     cast pass computed the value low. Use it as the float32 tensor it presents; `stored_values(t)` is the low
-    tensor itself (no copy)."""
+    tensor itself (no copy).
+
+    `times` (a float32 scalar tensor) makes it present `stored * times`: a float16 gradient that still holds the
+    loss scaling (times = 1/scale) between two graphs, since float16 cannot hold it unscaled
+    (training/in_graph_scaling.py). A write into such a tensor first stores its values in float32."""
 
     @staticmethod
-    def __new__(cls, stored: torch.Tensor):
+    def __new__(cls, stored: torch.Tensor, times: torch.Tensor | None = None):
         return make_wrapper_subclass(cls, stored, torch.float32)
 
-    def __init__(self, stored: torch.Tensor):
+    def __init__(self, stored: torch.Tensor, times: torch.Tensor | None = None):
         self._stored = stored
+        self._times = times
 
     __torch_function__ = disabled_torch_function_impl
 
@@ -53,7 +59,9 @@ class LowStorageTensor(torch.Tensor):
         kwargs = kwargs or {}
         how = _how_it_runs(func, args, kwargs)
         if how == "on the storage":
-            return pytree.tree_map_only(torch.Tensor, LowStorageTensor, func(args[0]._stored, *args[1:], **kwargs))
+            times = args[0]._times
+            return pytree.tree_map_only(torch.Tensor, lambda t: LowStorageTensor(t, times),
+                                        func(args[0]._stored, *args[1:], **kwargs))
         if how == "the stored values":
             return func(args[0]._stored, **kwargs)
         if how == "moved":
@@ -67,11 +75,11 @@ class LowStorageTensor(torch.Tensor):
         return pytree.tree_map_only(torch.Tensor, lambda t: written.get(id(t), t), result)
 
     def __tensor_flatten__(self):
-        return ["_stored"], None
+        return ["_stored"] + (["_times"] if self._times is not None else []), None
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        return LowStorageTensor(inner["_stored"])
+        return LowStorageTensor(inner["_stored"], inner.get("_times"))
 
     def __repr__(self, *, tensor_contents=None):
         return f"LowStorageTensor({_upcast(self)!r}, stored as {self._stored.dtype})"
@@ -86,7 +94,7 @@ class LowStorageTensor(torch.Tensor):
         if not self.is_leaf:
             return torch.Tensor.__deepcopy__(self, memo)  # torch's own refusal of a non-leaf
         if id(self) not in memo:
-            memo[id(self)] = LowStorageTensor(copy.deepcopy(self._stored, memo))
+            memo[id(self)] = LowStorageTensor(copy.deepcopy(self._stored, memo), copy.deepcopy(self._times, memo))
         return memo[id(self)]
 
     def numpy(self, *, force: bool = False):
@@ -115,6 +123,8 @@ def _how_it_runs(func, args: tuple, kwargs: dict) -> str:
     if isinstance(first, LowStorageTensor):
         if func in _STORAGE_OPS:
             return "on the storage"
+        if first._times is not None:
+            return "read or write"
         if func is aten._to_copy.default and kwargs.get("dtype") == first._stored.dtype:
             return "the stored values"
         if func is aten._to_copy.default and kwargs.get("dtype") is None:
@@ -132,13 +142,17 @@ def _storage_if_written(value, written: bool, targets: dict):
     """An argument as the op takes it: the storage of a LowStorageTensor it writes (remembered in `targets`, so
     that the op's result is the LowStorageTensor again), every LowStorageTensor it reads upcast."""
     if written and isinstance(value, LowStorageTensor):
+        if value._times is not None:  # the op writes presented values: hold them as they are, in float32
+            value._stored, value._times = _upcast(value), None
         targets[id(value._stored)] = value
         return value._stored
     return pytree.tree_map_only(LowStorageTensor, _upcast, value)
 
 
 def _upcast(tensor: LowStorageTensor) -> torch.Tensor:
-    return tensor._stored.to(torch.float32)
+    if tensor._times is None:
+        return tensor._stored.to(torch.float32)
+    return tensor._stored.to(torch.float32, copy=True).mul_(tensor._times)
 
 
 class _PresentAsFloat32(torch.autograd.Function):
@@ -151,7 +165,9 @@ class _PresentAsFloat32(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return stored_values(grad) if isinstance(grad, LowStorageTensor) else grad.to(ctx.low_dtype)
+        if isinstance(grad, LowStorageTensor) and grad._times is None:
+            return grad._stored
+        return grad.to(ctx.low_dtype)
 
 
 @never_a_frame_of_its_own
@@ -195,6 +211,11 @@ def graph_inputs(args) -> list:
 def stored_values(tensor: torch.Tensor) -> torch.Tensor:
     """The low tensor a LowStorageTensor stores (itself, not a copy); any other tensor as it is."""
     return tensor._stored if isinstance(tensor, LowStorageTensor) else tensor
+
+
+def times_of(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The factor a LowStorageTensor presents its stored values times (a gradient holding the loss scaling)."""
+    return tensor._times if isinstance(tensor, LowStorageTensor) else None
 
 
 def example_of_storage(value):

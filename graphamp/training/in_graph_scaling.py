@@ -3,7 +3,9 @@
 While a rewritten model (its backend) is linked to a decorated optimizer whose scale is not fixed at 1.0, each
 graph run with autograd on multiplies the gradient entering it at its floating outputs by the scale, and the one
 leaving it into each input by 1/scale (the fused `_amp_foreach_non_finite_check_and_unscale_`, whose found_inf
-`CheckedGradients` keeps for `step()`), both read from the LossScaler's device tensor: no host sync.
+`CheckedGradients` keeps for `step()`), both read from the LossScaler's device tensor: no host sync. The scale
+wraps the float32 the caller sees, so a gradient is scaled before it is cast low, and a float16 gradient one graph
+leaves into another's low output stays scaled between them (`LowStorageTensor(stored, times=1/scale)`).
 docs/training_loops.md and docs/loss_scaling.md ("Linked", "One pass") say what follows for gradients and `step()`.
 """
 
@@ -14,11 +16,24 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from graphamp.frontends.low_storage import LowStorageTensor, stored_values
+from graphamp.frontends.low_storage import LowStorageTensor, stored_values, times_of
 from graphamp.training.loss_scaler import reciprocal_of
 from graphamp.torch_private import tensor_version
 
-__all__ = ["CheckedGradients", "run_scaled", "scale_gradients", "times_present", "unscale_gradients"]
+__all__ = ["CheckedGradients", "ScalingFactors", "run_scaled", "scaling_factors", "times_present"]
+
+
+class ScalingFactors(NamedTuple):
+    """One iteration's loss scaling as the graphs apply it: `up`, the scale as of the iteration's first graph run
+    (a copy: step() must not reach its backward), and `down`, 1/scale. Every graph run of the iteration shares
+    these very tensors, so that a graph knows a float16 gradient another graph left scaled (times `down`)."""
+
+    up: torch.Tensor
+    down: torch.Tensor
+
+
+def scaling_factors(scale: torch.Tensor) -> ScalingFactors:
+    return ScalingFactors(scale.clone(), reciprocal_of(scale))
 
 
 def times_present(factor: torch.Tensor, grads) -> list:
@@ -57,12 +72,14 @@ class _Times(torch.autograd.Function):
 
 
 class _ScaleGradients(torch.autograd.Function):
-    """Identity forward; backward multiplies every incoming gradient by `factor` (one foreach kernel)."""
+    """Identity forward; backward multiplies every incoming gradient by the scale (one foreach kernel). A float16
+    gradient a graph of the same iteration left holding the scale (between two graphs) goes on as it is: no copy,
+    and float16 never holds it unscaled."""
 
     @staticmethod
-    def forward(ctx, factor: torch.Tensor, checks: CheckedGradients | None, *tensors: torch.Tensor):
+    def forward(ctx, factors: ScalingFactors, checks: CheckedGradients | None, *tensors: torch.Tensor):
         ctx.set_materialize_grads(False)  # an unused parameter's gradient stays None, as in eager
-        ctx.save_for_backward(factor)
+        ctx.factors = factors
         ctx.checks = checks
         ctx.owners = [None if checks is None else checks.owner_of(t) for t in tensors]
         # detach(): new tensors on the same storage, not views, so that a caller may write into an output in place
@@ -70,8 +87,13 @@ class _ScaleGradients(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        (factor,) = ctx.saved_tensors
-        return (None, None, *times_present(factor, grads))
+        up, down = ctx.factors
+        # A float16 gradient another graph of this iteration left scaled goes on as it is (unless create_graph=True).
+        kept = {} if torch.is_grad_enabled() else {
+            i: LowStorageTensor(stored_values(g)) for i, g in enumerate(grads) if times_of(g) is down
+        }
+        multiplied = times_present(up, [None if i in kept else g for i, g in enumerate(grads)])
+        return (None, None, *(kept.get(i, m) for i, m in enumerate(multiplied)))
 
 
 class _UnscaleGradients(_ScaleGradients):
@@ -82,17 +104,18 @@ class _UnscaleGradients(_ScaleGradients):
 
     @staticmethod
     def backward(ctx, *grads):
+        factor = ctx.factors.down
         if torch.is_grad_enabled():  # create_graph=True: the multiply must be differentiable
-            return _ScaleGradients.backward(ctx, *grads)
-        (factor,) = ctx.saved_tensors
+            return (None, None, *times_present(factor, grads))
         result, in_place, storages = [None, None, *grads], {}, set()
         for i, (grad, owner) in enumerate(zip(grads, ctx.owners), start=2):
             if grad is None:
                 continue
             if isinstance(grad, LowStorageTensor):
-                # Into another graph's low output, which presents float32: the true gradient in float32, since
-                # float16 cannot hold it unscaled (the output's own scaling takes it from there).
-                result[i] = stored_values(grad).float() * factor.to(grad.device)
+                # Into another graph's low output: kept scaled in float16, presenting the true gradient (times
+                # 1/scale), since float16 cannot hold it unscaled; that graph's own scaling takes it as it is.
+                times = factor if times_of(grad) is None else times_of(grad) * factor
+                result[i] = LowStorageTensor(stored_values(grad), times)
                 continue
             storage = grad.untyped_storage().data_ptr()
             if grad.is_contiguous() and grad.is_floating_point() and storage not in storages:
@@ -169,37 +192,22 @@ def _layout(grad: torch.Tensor) -> tuple:
     return grad.data_ptr(), grad.stride()  # the shape is the parameter's: autograd and AccumulateGrad enforce it
 
 
-def scale_gradients(factor: torch.Tensor, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """`tensors` as they are, except that the gradients flowing back through those requiring grad are times `factor`.
-
-    The tensors requiring grad are replaced by new ones (same storage) whose gradients pass through one
-    `_ScaleGradients` node: only what reaches them from outside is scaled, not what reaches the originals.
-    """
-    return _through(_ScaleGradients, factor, tensors, None)
-
-
-def unscale_gradients(inv_scale: torch.Tensor, tensors: list[torch.Tensor],
-                      checks: CheckedGradients | None = None) -> list[torch.Tensor]:
-    """As scale_gradients(inv_scale, tensors), for the gradients the graph computes: divided in place and checked
-    for inf/NaN, the found_inf recorded in `checks`."""
-    return _through(_UnscaleGradients, inv_scale, tensors, checks)
-
-
-def _through(function: type[_ScaleGradients], factor: torch.Tensor, tensors: list, checks: CheckedGradients | None):
-    """`tensors`, those requiring grad replaced by `function`'s outputs for them (one node for all)."""
+def _through(function: type[_ScaleGradients], factors: ScalingFactors, tensors: list,
+             checks: CheckedGradients | None):
+    """`tensors`, those requiring grad replaced by new ones (same storage) whose gradients pass through one
+    `function` node: only what reaches them from outside is scaled, not what reaches the originals."""
     positions = [i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not positions:
         return tensors
     tensors = list(tensors)
-    for i, t in zip(positions, function.apply(factor, checks, *(tensors[i] for i in positions))):
+    for i, t in zip(positions, function.apply(factors, checks, *(tensors[i] for i in positions))):
         tensors[i] = t
     return tensors
 
 
-def run_scaled(run, inputs: list, scale: torch.Tensor, checks: CheckedGradients | None = None):
-    """`run(*inputs)` with the gradient entering its floating outputs times `scale` and that leaving into each
-    input requiring grad (the master weights, an activation) divided by it: transparent from outside. The inf/NaN
-    check of the gradients leaving goes to `checks`."""
-    up, down = scale.clone(), reciprocal_of(scale)  # as of now: this iteration's step() must not reach its backward
+def run_scaled(run, inputs: list, factors: ScalingFactors, checks: CheckedGradients | None = None):
+    """`run(*inputs)` with the gradient entering its floating outputs times the scale and that leaving into each
+    input requiring grad (the master weights, an activation) divided by it, checked for inf/NaN into `checks`:
+    transparent from outside."""
     # Outputs computed from other outputs (HF's loss from the logits): only the gradient from outside is scaled.
-    return scale_gradients(up, list(run(*unscale_gradients(down, inputs, checks))))
+    return _through(_ScaleGradients, factors, list(run(*_through(_UnscaleGradients, factors, inputs, checks))), None)

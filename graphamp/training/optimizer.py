@@ -14,7 +14,7 @@ import torch.distributed as dist
 from graphamp.errors import ArgumentError, LossScalingError
 from graphamp.frontends.rewrite import amp_states, rewritten_models
 from graphamp.policy.dtypes import HALF_DTYPES, dtype_name, resolve_dtype
-from graphamp.training.in_graph_scaling import CheckedGradients, run_scaled
+from graphamp.training.in_graph_scaling import CheckedGradients, ScalingFactors, run_scaled, scaling_factors
 from graphamp.training.loss_scaler import LossScaler
 from graphamp.torch_private import fused_step_takes_loss_scaling, sparse_values, tensor_version
 
@@ -155,6 +155,7 @@ class _Iteration:
         self.loss_scaled = False
         self.scaled_in_graph = False  # a linked model scaled gradients in its graphs since the last step
         self.checks = CheckedGradients(self.owner_of)  # the gradients those graphs checked for inf/NaN
+        self.scaling: dict[torch.device, ScalingFactors] = {}  # the graphs' factors, the same for each run
         self._owners: dict[int, int] | None = None
 
     def owner_of(self, tensor: torch.Tensor) -> int | None:
@@ -166,7 +167,7 @@ class _Iteration:
         return self._owners.get(id(tensor))
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_owners": None}  # by id(): a copy's parameters are other objects
+        return {**self.__dict__, "_owners": None, "scaling": {}}  # by id(): a copy's parameters are other objects
 
     def finish_if_all_stepped(self, loss_scaler: LossScaler) -> None:
         if any(m._stage is not _Stage.STEPPED for m in self.members):
@@ -184,6 +185,7 @@ class _Iteration:
         self.loss_scaled = False
         self.scaled_in_graph = False
         self.checks.clear()
+        self.scaling = {}
         self._owners = None
 
     def waiting_for(self) -> str:
@@ -486,7 +488,10 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
             return run(*args)
         self._iteration.scaled_in_graph = True
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
-        return run_scaled(run, list(args), self.loss_scaler.state_on(device), self._iteration.checks)
+        scaling = self._iteration.scaling
+        if device not in scaling:  # as of the iteration's first graph run: the scale changes only at its step()
+            scaling[device] = scaling_factors(self.loss_scaler.state_on(device))
+        return run_scaled(run, list(args), scaling[device], self._iteration.checks)
 
     def _check_true_gradients(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """``found_inf`` of gradients that hold no scaling (in-graph scaling, or a scale fixed at 1.0): the graphs'
