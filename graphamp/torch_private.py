@@ -44,9 +44,8 @@ __all__ = [
     "global_module_hooks", "group_by_device_and_dtype", "mark_dim_dynamic", "module_buffers",
     "never_a_frame_of_its_own", "op_schema", "op_schemas_named", "outside_every_mode", "pytree", "qualified_op_name",
     "recompile_limit", "recording_functorch_transforms", "register_sub_graph", "rerun_checkpointed_region_as",
-    "set_dynamo_config",
-    "size_oblivious_tracing", "sparse_values", "tensor_version", "trace_inside_make_fx", "tracing_context",
-    "tracing_on_fake_tensors", "wrap_autocast_regions",
+    "set_dynamo_config", "size_oblivious_tracing", "sparse_values", "tensor_version", "trace_inside_make_fx",
+    "tracing_context", "tracing_on_fake_tensors", "wrap_autocast_regions",
 ]
 
 # -- trees of values ---------------------------------------------------------------------------------------------

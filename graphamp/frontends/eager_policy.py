@@ -126,7 +126,8 @@ class _Rules:
         decision, source = (Decision(entry.color), entry.source) if entry is not None else (Decision.UNLISTED, "")
         packet = _aten_packet(name)
         dtype_argument = decision == BLACK and packet is not None and any(
-            argument.name == "dtype" for schema in _schemas(packet) for argument in schema.arguments
+            argument.name == "dtype"
+            for overload in packet.overloads() for argument in op_schema(getattr(packet, overload)).arguments
         )
         writes_first = name.endswith("_") and not name.startswith("_")
         norm = name in NORM_OPS
@@ -158,8 +159,7 @@ def _op_name(function) -> str | None:
         return None
     if name.startswith("__") and name.endswith("__") and name != "__get__":
         base = name[2:-2]
-        in_place = base.startswith("i") and _operator_op(base[1:]) is not None
-        if in_place:
+        if base.startswith("i") and _operator_op(base[1:]) is not None:  # __iadd__: in place
             return _operator_op(base[1:]) + "_"
         if base.startswith("r") and base != "rsub" and _operator_op(base[1:]) is not None:
             return _operator_op(base[1:])
@@ -177,10 +177,6 @@ def _aten_packet(name: str):
         namespace, _, op = name.partition("::")
         return getattr(getattr(torch.ops, namespace, None), op, None) if hasattr(torch.ops, namespace) else None
     return getattr(torch.ops.aten, name, None) if not name.startswith("__") else None
-
-
-def _schemas(packet) -> list:
-    return [op_schema(getattr(packet, overload)) for overload in packet.overloads()]
 
 
 class EagerPolicy(TorchFunctionMode):
@@ -296,10 +292,7 @@ class EagerPolicy(TorchFunctionMode):
         if target == self.low and rule.norm and not _runs_low_on(rule.op, floats[0].device, self.low):
             target = torch.float32  # this device's norm kernel wants X in its parameters' dtype
         if target == torch.float32 and decision == BLACK:
-            for tensor in floats:
-                if tensor.dtype in _HALF:
-                    break
-            else:
+            if not any(tensor.dtype in _HALF for tensor in floats):
                 return args, kwargs  # no low input
             if rule.dtype_argument and "dtype" not in kwargs:
                 return args, {**kwargs, "dtype": torch.float32}  # the kernel reads low X and computes in float32
@@ -481,10 +474,7 @@ def _deciding_dtypes(floats: list[torch.Tensor]) -> list[torch.dtype]:
     """The dtypes that decide a gray op: its floating inputs' but a 0-dim tensor's (as in torch's type promotion),
     unless it has no other. A graph's low output presented as float32 decides by its storage, as the next graph
     decides on it (cast_pass.py): code dynamo runs between two graphs decides as it would without the break."""
-    dtypes = []
-    for tensor in floats:
-        if tensor.dim() > 0:
-            dtypes.append(stored_values(tensor).dtype)
+    dtypes = [stored_values(tensor).dtype for tensor in floats if tensor.dim() > 0]
     return dtypes or [stored_values(tensor).dtype for tensor in floats]
 
 
@@ -505,9 +495,7 @@ def _floating_inputs(args, kwargs, rule: _Rule) -> list[torch.Tensor]:
 
 def _map_inputs(args, kwargs, rule: _Rule, cast):
     first = args[0] if rule.writes_first and args else None
-    data = None
-    if rule.norm:
-        data = _first_tensor((*args, *kwargs.values()))
+    data = _first_tensor((*args, *kwargs.values())) if rule.norm else None
 
     def one(value):
         if isinstance(value, torch.Tensor):
@@ -604,11 +592,11 @@ class ModelFacts:
         return None
 
 
-class _O2Running(threading.local):
-    depth = 0  # O2 policies entered on this thread
+class _Depth(threading.local):
+    depth = 0  # how many are entered on this thread
 
 
-_o2_running = _O2Running()
+_o2_running = _Depth()  # O2 policies
 _RNNS_HOOKED: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -638,11 +626,7 @@ def _refuse_enabled_autocast() -> None:
 
 
 # -- graphamp's graphs --------------------------------------------------------------------------------------------
-class _Lifted(threading.local):
-    depth = 0
-
-
-_lifted = _Lifted()
+_lifted = _Depth()  # policy_lifted() blocks
 
 
 @contextlib.contextmanager

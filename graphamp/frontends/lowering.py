@@ -13,6 +13,7 @@ import torch
 import torch.fx.traceback as fx_traceback
 from torch.fx import GraphModule
 from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from graphamp.errors import CaptureError
 from graphamp.frontends.low_storage import LowStorageTensor, example_of_storage
@@ -139,12 +140,10 @@ def _recompute_all(ctx, op, *args, **kwargs):
 def _fake_inputs(gm: GraphModule, example_inputs: list):
     context = tracing_context()
     placeholders = gm.graph.find_nodes(op="placeholder")
-    fake_mode = context.fake_mode if context is not None and context.fake_mode is not None else None
+    fake_mode = getattr(context, "fake_mode", None)
     if fake_mode is None:  # called outside dynamo (a test calling the backend on a GraphModule itself)
-        fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode(
-            shape_env=torch.fx.experimental.symbolic_shapes.ShapeEnv()
-        )
-    symbolic = getattr(context, "tensor_to_context", {}) if context is not None else {}
+        fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode(shape_env=ShapeEnv())
+    symbolic = getattr(context, "tensor_to_context", {})
 
     def fake(value, node):
         if isinstance(value, FakeTensor):

@@ -7,6 +7,8 @@ promote rule".
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -49,7 +51,4 @@ def _is_float_tensor(value) -> bool:
 
 
 def _widest(tensors) -> torch.dtype:
-    widest = tensors[0].dtype
-    for tensor in tensors[1:]:
-        widest = torch.promote_types(widest, tensor.dtype)
-    return widest
+    return functools.reduce(torch.promote_types, (tensor.dtype for tensor in tensors))

@@ -140,9 +140,7 @@ def _write(out: Path, texts: dict[str, str]) -> None:
         for name, text in texts.items():
             (out / name).write_text(text, encoding="utf-8")
     except OSError as error:
-        raise ExportError(
-            f"{out}: cannot write the export there ({error}); pass a folder you can write to."
-        ) from error
+        raise ExportError(f"{out}: cannot write the export there ({error}); pass a folder you can write to.") from error
 
 
 def check_out_dir(out: Path, overwrite: bool) -> None:

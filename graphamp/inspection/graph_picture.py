@@ -36,10 +36,7 @@ _NUMBERED_BLOCK = re.compile(r"^(?:(.*?)\.)?(\d+)(?=\.|$)")  # family 'transform
 
 def runs_in(record: dict) -> str | None:
     """The dtype an op computes in: its floating output's, else its floating inputs' (comparisons)."""
-    for dtype in (record["out_dtype"], *record["in_dtypes"]):
-        if dtype in FILL:
-            return dtype
-    return None
+    return next((dtype for dtype in (record["out_dtype"], *record["in_dtypes"]) if dtype in FILL), None)
 
 
 def render_svg(graphs, records, lifted: list[Node], parameter_names: dict, title: str) -> str:

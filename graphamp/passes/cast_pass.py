@@ -58,8 +58,7 @@ class RewriteReport:
 
     def __str__(self) -> str:
         lines = [
-            f"graphamp rewrite ({dtype_name(self.dtype)}, {self.level}): "
-            f"{self.casts_inserted} casts inserted",
+            f"graphamp rewrite ({dtype_name(self.dtype)}, {self.level}): {self.casts_inserted} casts inserted",
             "  ops by decision: " + ", ".join(f"{d}={n}" for d, n in sorted(self.decisions.items())),
         ]
         if self.unlisted_ops:
@@ -288,8 +287,7 @@ class _CastPass:
             casts_down = [r for r in readers if r in self.cast_source and node_dtype(r) == self.low]
             if not readers or len(casts_down) < len(readers):
                 continue
-            dtype = next(a for a in op_schema(draw.target).arguments if a.name == "dtype")
-            set_argument(draw, dtype, self.low)
+            set_argument(draw, next(a for a in op_schema(draw.target).arguments if a.name == "dtype"), self.low)
             mark = mark_of(draw)
             draw.meta[MARK] = OpMark(mark.decision, "dtype traced float32: drawn in its readers' dtype", mark.module)
             for node in chain:
@@ -603,9 +601,7 @@ def _autocast_enabled(node: Node) -> bool | None:
 
     A region disabled for CUDA is kept FP32 on every device: the graph does not know where it will run, and the
     model said that code needs FP32."""
-    if node.target is not AUTOCAST_REGION:
-        return None
-    return bool(node.args[2])
+    return bool(node.args[2]) if node.target is AUTOCAST_REGION else None
 
 
 def _copies(node: Node) -> bool:

@@ -15,7 +15,7 @@ from graphamp.torch_private import op_schema
 
 __all__ = [
     "FP32_ACCUMULATING_OPS", "MODEL_CAST_OPS", "NORM_OPS", "RESHAPE_OPS", "SAME_DTYPE_OPS", "TRACE_ASSERTS",
-    "VIEW_OPS", "aliased_inputs", "argument_value", "draws_random_numbers", "has_explicit_float_dtype",
+    "VIEW_OPS", "argument_value", "draws_random_numbers", "has_explicit_float_dtype",
     "norm_parameter_inputs", "set_argument", "viewed_input", "written_inputs",
 ]
 
@@ -84,11 +84,6 @@ def _inputs_where(node: Node, predicate) -> set[Node]:
         if predicate(argument):
             map_arg(argument_value(node, argument, None), found.add)
     return found
-
-
-def aliased_inputs(node: Node) -> set[Node]:
-    """The inputs an op's output may share storage with (a view's self) or that it writes into."""
-    return _inputs_where(node, lambda argument: argument.alias_info is not None)
 
 
 def viewed_input(node: Node) -> Node | None:

@@ -40,11 +40,7 @@ def runs_low_on(op_name: str, device: torch.device, dtype: torch.dtype) -> bool:
     """Whether `op_name` (an ATen overload packet name) may run in `dtype` on `device` as the gray rule wants:
     True for ops of no probed family."""
     family = KERNEL_FAMILIES.get(op_name)
-    if family is None:
-        return True
-    if device.type == "meta":
-        return False
-    return _probe(family, device.type, dtype)
+    return family is None or (device.type != "meta" and _probe(family, device.type, dtype))
 
 
 @lru_cache(maxsize=None)

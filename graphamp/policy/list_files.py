@@ -83,8 +83,7 @@ def check_visible(text: str, where: str) -> None:
         if not character.isprintable() and character not in " \t":
             escaped = character.encode("unicode_escape").decode("ascii")
             raise ListFileError(
-                f"{where}: {text.strip()!r} holds the invisible character '{escaped}'; delete it "
-                f"(retype the line)."
+                f"{where}: {text.strip()!r} holds the invisible character '{escaped}'; delete it (retype the line)."
             )
 
 
@@ -123,12 +122,6 @@ def read_list_entries(path: Path, display: str | None = None) -> list[tuple[str,
 
 
 def read_list_file(path: Path, dtype: torch.dtype, display: str | None = None) -> list[tuple[str, str]]:
-    """(entry, 'file:line') pairs of one list file that apply to `dtype`, in file order.
-
-    Raises ListFileError as read_list_entries does.
-    """
-    return [
-        (entry, where)
-        for entry, where, section_dtype in read_list_entries(path, display)
-        if section_dtype is None or section_dtype == dtype
-    ]
+    """The (entry, 'file:line') pairs of read_list_entries that apply to `dtype`, in file order; its errors too."""
+    entries = read_list_entries(path, display)
+    return [(entry, where) for entry, where, section_dtype in entries if section_dtype in (None, dtype)]

@@ -245,8 +245,7 @@ class AutoMixedPrecisionLists:
             for name in names:
                 if name in owners and owners[name] != color:
                     raise ListFileError(
-                        f"op '{name}' is in both custom_{owners[name]}_list and custom_{color}_list; "
-                        f"keep it in one."
+                        f"op '{name}' is in both custom_{owners[name]}_list and custom_{color}_list; keep it in one."
                     )
                 owners[name] = color
         for name, color in owners.items():
@@ -308,9 +307,7 @@ class AutoMixedPrecisionLists:
 
     def entries(self, color: str | None = None) -> list[ListEntry]:
         """The effective op entries, sorted by name; only those of `color` when given."""
-        return sorted(
-            (e for e in self._entries.values() if color is None or e.color == color), key=lambda e: e.name
-        )
+        return sorted((e for e in self._entries.values() if color is None or e.color == color), key=lambda e: e.name)
 
     @property
     def white_list(self) -> frozenset[str]:
@@ -396,8 +393,7 @@ def _as_names(values, argument: str) -> list[str]:
         values = [values]
     if not isinstance(values, Iterable):
         raise ListFileError(
-            f"{argument}={values!r}: pass a list of names like ['linear', 'mylib::op'], not a "
-            f"{type(values).__name__}."
+            f"{argument}={values!r}: pass a list of names like ['linear', 'mylib::op'], not a {type(values).__name__}."
         )
     names = []
     for value in values:
