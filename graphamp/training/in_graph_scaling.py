@@ -48,11 +48,11 @@ def times_present(factor: torch.Tensor, grads) -> list:
     given = [g for g in grads if g is not None]
     if not given:
         return list(grads)
-    scaled = iter(_Times.apply(factor, *given) if torch.is_grad_enabled() else _times(given, factor))
+    scaled = iter(_Times.apply(factor, *given) if torch.is_grad_enabled() else _multiplied(given, factor))
     return [None if g is None else next(scaled) for g in grads]
 
 
-def _times(grads: list[torch.Tensor], factor: torch.Tensor) -> list[torch.Tensor]:
+def _multiplied(grads: list[torch.Tensor], factor: torch.Tensor) -> list[torch.Tensor]:
     """`grads` times `factor` in float32 arithmetic, each back in its own dtype. A float16 tensor times a float32
     CUDA scalar tensor rounds the factor to float16 first, where 2**16, the first scale, is inf."""
     products = torch._foreach_mul([g.float() for g in grads], factor)
@@ -64,7 +64,7 @@ class _Times(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, factor: torch.Tensor, *grads: torch.Tensor):
-        return tuple(_times(list(grads), factor))
+        return tuple(_multiplied(list(grads), factor))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -114,15 +114,14 @@ class _UnscaleGradients(_ScaleGradients):
             if isinstance(grad, LowStorageTensor):
                 # Into another graph's low output: kept scaled in float16, presenting the true gradient (times
                 # 1/scale), since float16 cannot hold it unscaled; that graph's own scaling takes it as it is.
-                times = factor if times_of(grad) is None else times_of(grad) * factor
-                result[i] = LowStorageTensor(stored_values(grad), times)
+                result[i] = LowStorageTensor(stored_values(grad), factor)
                 continue
             storage = grad.untyped_storage().data_ptr()
             if grad.is_contiguous() and grad.is_floating_point() and storage not in storages:
                 # One found_inf per optimizer of decorate([a, b]): each skips on its own gradients only.
                 in_place.setdefault((grad.device, grad.dtype, owner), []).append(grad)
             else:  # an expanded gradient, or one an add's backward also gave another input: leave it unwritten
-                result[i] = _times([grad], factor.to(grad.device))[0]
+                result[i] = _multiplied([grad], factor.to(grad.device))[0]
             storages.add(storage)
         for (device, _, _), same_kind in in_place.items():
             found_inf = torch.zeros((), dtype=torch.float32, device=device)
@@ -209,5 +208,6 @@ def run_scaled(run, inputs: list, factors: ScalingFactors, checks: CheckedGradie
     """`run(*inputs)` with the gradient entering its floating outputs times the scale and that leaving into each
     input requiring grad (the master weights, an activation) divided by it, checked for inf/NaN into `checks`:
     transparent from outside."""
+    inputs = _through(_UnscaleGradients, factors, inputs, checks)
     # Outputs computed from other outputs (HF's loss from the logits): only the gradient from outside is scaled.
-    return _through(_ScaleGradients, factors, list(run(*_through(_UnscaleGradients, factors, inputs, checks))), None)
+    return _through(_ScaleGradients, factors, list(run(*inputs)), None)
