@@ -69,8 +69,19 @@ def test_an_interrupted_rewrite_leaves_the_model_as_it_was(bf16):
     assert set(model.__dict__) == before and not graphamp.is_rewritten(model)
 
 
+@pytest.fixture
+def python_sigint_handler():
+    """Python's own SIGINT handler, as in a fresh process: a test before this one on the same worker (a trainer's)
+    may have left another installed. The earlier handler is back afterwards."""
+    import signal
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # Python's own "Exception ignored"
-def test_ctrl_c_that_lands_where_python_ignores_exceptions_still_reaches_the_caller(bf16):
+def test_ctrl_c_that_lands_where_python_ignores_exceptions_still_reaches_the_caller(bf16, python_sigint_handler):
     """A first call's compile runs many weakref callbacks and __del__s, where Python prints an interrupt and goes
     on ("Exception ignored in ..."): the KeyboardInterrupt is raised after the call."""
     import signal
