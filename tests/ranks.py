@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from filelock import FileLock
 
 
 def run_scenarios(rank, store, out, world_size, collective_timeout_s, scenarios, arguments_of=lambda scenario: ()):
@@ -41,8 +42,23 @@ def results_of(ranks: list[dict], scenario, may_fail: bool = False) -> list:
     return found
 
 
-def results_of_ranks(worker, out: Path, world_size: int, timeout_s: float) -> list[dict]:
-    """Spawn `worker(rank, store, out)` on each rank, wait at most `timeout_s`, and load each rank's `rank{N}.pt`."""
+def results_of_ranks(worker, tmp_path_factory, name: str, world_size: int, timeout_s: float) -> list[dict]:
+    """Each rank's results of `worker(rank, store, out)` spawned on `world_size` ranks, once per test run: xdist can
+    split a module's tests over both workers, each setting up the module's fixture, and a job costs seconds of
+    imports and compiles per rank. The first worker runs it; the other waits on the lock and reads its files."""
+    under_xdist = "PYTEST_XDIST_WORKER" in os.environ
+    shared = tmp_path_factory.getbasetemp().parent if under_xdist else tmp_path_factory.getbasetemp()
+    out = shared / name
+    with FileLock(str(shared / f"{name}.lock")):
+        if not (out / "finished").exists():
+            out.mkdir(exist_ok=True)
+            _run_job(worker, out, world_size, timeout_s)
+            (out / "finished").touch()
+    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
+
+
+def _run_job(worker, out: Path, world_size: int, timeout_s: float) -> None:
+    """Spawn `worker(rank, store, out)` on each rank and wait at most `timeout_s`."""
     job = mp.spawn(worker, args=(str(out / "store"), str(out)), nprocs=world_size, join=False)
     deadline = time.monotonic() + timeout_s
     try:
@@ -53,4 +69,3 @@ def results_of_ranks(worker, out: Path, world_size: int, timeout_s: float) -> li
         for process in job.processes:
             if process.is_alive():
                 process.kill()
-    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]

@@ -1,6 +1,6 @@
 """graphamp under torch.distributed: DDP around a rewritten model, decorated optimizers, 2 gloo processes on CPU.
 
-The 2-process job runs once for the module (each start costs seconds of imports and a compile per rank); every
+The 2-process job runs once per test run (each start costs seconds of imports and a compile per rank); every
 scenario is a function run on both ranks, and each test reads the results of one. The example runs under torchrun
 on CPU. A hung rank cannot hang CI: jobs are killed after JOB_TIMEOUT_S, collectives time out after
 COLLECTIVE_TIMEOUT_S.
@@ -218,8 +218,7 @@ def _run_scenarios(rank: int, store: str, out: str) -> None:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """Each rank's results, by scenario name."""
-    out = tmp_path_factory.mktemp("ranks")
-    return results_of_ranks(_run_scenarios, out, WORLD_SIZE, JOB_TIMEOUT_S)
+    return results_of_ranks(_run_scenarios, tmp_path_factory, "ddp_ranks", WORLD_SIZE, JOB_TIMEOUT_S)
 
 
 

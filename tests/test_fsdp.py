@@ -304,8 +304,7 @@ def _run_scenarios(rank: int, store: str, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp_ranks")
-    return results_of_ranks(_run_scenarios, out, WORLD_SIZE, JOB_TIMEOUT_S)
+    return results_of_ranks(_run_scenarios, tmp_path_factory, "fsdp_ranks", WORLD_SIZE, JOB_TIMEOUT_S)
 
 
 # -- the specification ------------------------------------------------------------------------------------------------
