@@ -15,14 +15,15 @@ LENGTHS = [12, 7, 16, 9, 5, 14]
 
 
 class TokenMLP(nn.Module):
+    """A residual MLP: few kernels, since each is a C++ compile per graph (static, then dynamic; forward, backward)."""
+
     def __init__(self, width=32):
         super().__init__()
         self.up = nn.Linear(width, 4 * width)
         self.down = nn.Linear(4 * width, width)
-        self.norm = nn.LayerNorm(width)
 
     def forward(self, x):
-        return self.norm(x + self.down(torch.nn.functional.gelu(self.up(x))))
+        return x + self.down(torch.relu(self.up(x)))
 
 
 def test_compiled_variable_lengths_compile_one_dynamic_graph_that_serves_the_later_ones(bf16, seeded):
