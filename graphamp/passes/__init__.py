@@ -58,17 +58,10 @@ def run_passes(
     _done(graph_module, "cast", started, timings, ran=True)
     for name, apply in PASSES_AFTER_CASTS:
         started = time.perf_counter()
-        ran = GraphTransformObserver(graph_module, name, subsystem="graphamp").apply_gm_pass(_ran(apply))
+        observer = GraphTransformObserver(graph_module, name, subsystem="graphamp")
+        ran = observer.apply_gm_pass(lambda gm: apply(gm) or True)  # None: the observer skipped the pass
         _done(graph_module, name, started, timings, ran=bool(ran))
     return report
-
-
-def _ran(apply):
-    """`apply` as a pass that answers True: the observer answers None for a pass it skipped."""
-    def run(graph_module: GraphModule) -> bool:
-        apply(graph_module)
-        return True
-    return run
 
 
 def _done(graph_module: GraphModule, name: str, started: float, timings: dict | None, ran: bool) -> None:

@@ -127,9 +127,7 @@ class _CastPass:
             # the dtype and decision the pass writes there are that op's, not the value's that leaves the region.
             node.meta = dict(node.meta)
         self.config = config
-        self.amp_lists = config.lists
         self.low = config.dtype
-        self.level = config.level
         self.report = report
         # Inside a region the model keeps FP32 (autocast disabled), every op runs as traced, as under autocast.
         self.fp32_region = fp32_region
@@ -202,10 +200,10 @@ class _CastPass:
             return OpMark(Decision.EXPLICIT_CAST, "model", module)
         if self.fp32_region:
             return OpMark(Decision.EXPLICIT_CAST, MODEL_FP32_REGION, module)
-        pattern = self.amp_lists.black_module_for(module)
+        pattern = self.config.lists.black_module_for(module)
         if pattern is not None:
             return OpMark(BLACK, pattern.source, module)
-        entry = self.amp_lists.classify(op)
+        entry = self.config.lists.classify(op)
         return OpMark(Decision.UNLISTED, "", module) if entry is None else OpMark(entry.color, entry.source, module)
 
     def _mark(self, node: Node, mark: OpMark) -> None:
@@ -222,7 +220,7 @@ class _CastPass:
         floats = [n for n in floats if n not in self.draws] or floats
         deciding = [n for n in floats if n.meta["val"].dim() > 0] or floats
         dtypes = [node_dtype(self.cast_source[n] if n in self.input_upcasts else n) for n in deciding]
-        return cast_target(decision, self.level, self.low, dtypes)
+        return cast_target(decision, self.config.level, self.low, dtypes)
 
     # -- visiting ------------------------------------------------------------------------------------------
     def _visit_op(self, node: Node) -> None:
@@ -231,7 +229,7 @@ class _CastPass:
         left_alone = mutated | norm_parameter_inputs(node)
         floats = [n for n in node.all_input_nodes if _is_castable(n) and n not in left_alone]
         target = None if decision == Decision.EXPLICIT_CAST else self._target_dtype(decision, floats)
-        promotes = isinstance(node.target, OpOverload) and self.amp_lists.promotes(node.target)
+        promotes = isinstance(node.target, OpOverload) and self.config.lists.promotes(node.target)
         follows_inputs = decision in (GRAY, Decision.UNLISTED)
         if target == torch.float32 and follows_inputs and not promotes and self._promotes_to_fp32(node):
             target = None  # add(bf16, fp32) already computes in FP32 inside the kernel: a cast would only cost
@@ -342,10 +340,10 @@ class _CastPass:
                     readers.extend(reader.users)
             elif reader.target in RESHAPE_OPS or reader.target in VIEW_OPS:
                 readers.extend(reader.users)
-            elif not isinstance(reader.target, OpOverload) or self.amp_lists.black_module_for(module_path(reader)):
+            elif not isinstance(reader.target, OpOverload) or self.config.lists.black_module_for(module_path(reader)):
                 return False
             else:
-                entry = self.amp_lists.classify(reader.target)
+                entry = self.config.lists.classify(reader.target)
                 if entry is not None and entry.color == GRAY and _reads_one_floating_value(reader):
                     readers.extend(reader.users)
                 elif entry is None or entry.color != WHITE:
