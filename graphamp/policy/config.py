@@ -16,8 +16,7 @@ from graphamp.policy.lists import AutoMixedPrecisionLists
 from graphamp.torch_private import NormBase
 
 __all__ = [
-    "LEVELS", "AmpConfig", "check_entry_arguments", "check_level", "check_master_weights", "device_of",
-    "is_normalization_module",
+    "LEVELS", "AmpConfig", "check_entry_arguments", "check_level", "check_master_weights", "is_normalization_module",
 ]
 
 # O1: the lists decide each op. O2: every op but the black ones runs low, normalization parameters stay FP32.
@@ -93,7 +92,7 @@ def check_entry_arguments(
         raise _not_lists(amp_lists, f"{entry_point}(amp_lists=...)")
     config = AmpConfig(amp_lists if amp_lists is not None else AutoMixedPrecisionLists(), level)
     check_master_weights(model)
-    check_dtype_runs_on(device_of(model), config.dtype, compile)
+    check_dtype_runs_on(next((p.device for p in model.parameters()), None), config.dtype, compile)
     config.lists.warn_unmatched_black_modules(model)
     if not isinstance(example_args, tuple):
         example_args = (example_args,)
@@ -108,8 +107,3 @@ def check_master_weights(model: nn.Module) -> None:
                 f"parameter '{name}' is {dtype_name(parameter.dtype)}: graphamp keeps FP32 master weights and casts "
                 f"inside the graph. Keep the model in float32 (drop .half()/.to(dtype)) and rewrite it."
             )
-
-
-def device_of(model: nn.Module) -> torch.device | None:
-    parameter = next(model.parameters(), None)
-    return parameter.device if parameter is not None else None

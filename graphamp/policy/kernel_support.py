@@ -12,17 +12,13 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from graphamp.policy.aten_ops import NORM_OPS
 from graphamp.torch_private import outside_every_mode
 
 __all__ = ["KERNEL_FAMILIES", "rounded_once", "runs_low_on"]
 
-_NORMS = {
-    "layer_norm": "layer_norm", "native_layer_norm": "layer_norm",
-    "group_norm": "group_norm", "native_group_norm": "group_norm",
-    "batch_norm": "batch_norm", "native_batch_norm": "batch_norm", "_native_batch_norm_legit": "batch_norm",
-    "_native_batch_norm_legit_functional": "batch_norm", "_native_batch_norm_legit_no_training": "batch_norm",
-    "instance_norm": "batch_norm",
-}
+# instance_norm, as the batch_norm ops, is probed as F.batch_norm.
+_NORMS = {op: next((f for f in ("layer_norm", "group_norm") if f in op), "batch_norm") for op in NORM_OPS}
 # interpolate's mode and the number of spatial dims of each upsample op.
 _INTERPOLATIONS = {
     "upsample_nearest1d": ("nearest", 1), "upsample_nearest2d": ("nearest", 2), "upsample_nearest3d": ("nearest", 3),
