@@ -34,12 +34,8 @@ def default_lists_dir() -> Path:
 
 
 def check_lists_folder(folder: Path) -> None:
-    """Raise ListFileError for a folder that would silently load as empty or partial lists.
-
-    A misnamed list file (`White.txt`, `whitelist.txt`) would be ignored: it is named, with the file it was
-    probably meant to be. A folder holding none of the list files would leave every op unlisted. A folder whose
-    white.txt holds no entry loads, with a UserWarning: nothing of it runs in low precision.
-    """
+    """Raise ListFileError for a folder that would silently load as empty or partial lists (a misnamed list file
+    would be ignored); warn for one whose white.txt holds no entry."""
     folder = Path(folder)
     if not folder.is_dir():
         raise ListFileError(f"{folder}: lists_dir is not a folder; pass a folder holding {', '.join(LIST_FILES)}.")
@@ -75,10 +71,8 @@ def no_white_entries(folder: Path) -> str | None:
 
 
 def check_visible(text: str, where: str) -> None:
-    """Raise ListFileError for an invisible or control character (zero-width space, ...), shown escaped.
-
-    Such a character makes 'mm' a different, unknown name while the message would print them alike.
-    """
+    """Raise ListFileError for an invisible or control character (zero-width space, ...), shown escaped: it makes
+    'mm' a different, unknown name while the message would print them alike."""
     for character in text:
         if not character.isprintable() and character not in " \t":
             escaped = character.encode("unicode_escape").decode("ascii")
@@ -88,12 +82,8 @@ def check_visible(text: str, where: str) -> None:
 
 
 def read_list_entries(path: Path, display: str | None = None) -> list[tuple[str, str, torch.dtype | None]]:
-    """(entry, 'file:line', section dtype) triples of one list file, every section, in file order.
-
-    The section dtype is None under [all] (and at the top of a file). A byte order mark is skipped.
-    Raises ListFileError for an unreadable file, an unknown section, an invisible character or a line holding
-    more than one name.
-    """
+    """(entry, 'file:line', section dtype) triples of one list file, every section, in file order; the section
+    dtype is None under [all] (and at the top of a file)."""
     display = display or str(path)
     try:
         text = path.read_text(encoding="utf-8-sig")  # -sig: editors on Windows start files with a BOM

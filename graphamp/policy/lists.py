@@ -100,11 +100,8 @@ _LIBRARY_NAMESPACES = ("transformers::",)
 
 
 def check_op_name(entry: str, where: str, unregistered: list[tuple[str, str]] | None = None) -> None:
-    """Raise ListFileError for an op torch does not know; warn for a custom op not registered yet.
-
-    With `unregistered` given, a custom op not registered yet is appended to it (for one warning about them
-    all, see warn_unregistered) instead of warned about.
-    """
+    """Raise ListFileError for an op torch does not know; warn for a custom op not registered yet, or append it to
+    `unregistered` where given (for one warning about them all, see warn_unregistered)."""
     qualified, overload = _split_overload(entry)
     schemas = op_schemas_named(qualified)
     if not schemas:

@@ -50,9 +50,6 @@ class LossScaler:
     ``process_group``: the ranks that must agree on ``found_inf``. None means torch.distributed's default group
     when it is initialised with more than one rank (looked up at each check, so the scaler may be built before
     ``init_process_group``), else no reduction. A group of one rank reduces nothing.
-
-    ``state_dict()`` holds Python numbers only; ``load_state_dict()`` writes them into the existing device tensors,
-    or keeps them until the first ``scale()`` creates the tensors on the loss's device.
     """
 
     def __init__(
@@ -259,7 +256,8 @@ class LossScaler:
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what ``state_dict()`` returned: config, scale and counters (onto the existing device tensors)."""
+        """Restore what ``state_dict()`` returned: config, scale and counters, into the existing device tensors (or
+        kept until the first ``scale()`` creates them on the loss's device)."""
         missing = sorted(set(_STATE_KEYS) - set(state_dict))
         if missing:
             raise LossScalingError(
