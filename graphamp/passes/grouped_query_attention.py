@@ -56,9 +56,7 @@ def _erase_unused(graph: torch.fx.Graph, replaced: list[torch.fx.Node]) -> None:
 
 def _grouped_inputs(node: torch.fx.Node):
     """(key, value) repeat chains of an SDPA call that can group instead; None if it cannot."""
-    if node.op != "call_function" or node.target is not _SDPA or node.kwargs.get("enable_gqa", False):
-        return None
-    if len(node.args) > 7 or len(node.args) < 3:
+    if node.target is not _SDPA or node.kwargs.get("enable_gqa", False) or not 3 <= len(node.args) <= 7:
         return None
     query = node.args[0].meta.get("val")
     mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")

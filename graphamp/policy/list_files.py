@@ -81,10 +81,9 @@ def check_visible(text: str, where: str) -> None:
             )
 
 
-def read_list_entries(path: Path, display: str | None = None) -> list[tuple[str, str, torch.dtype | None]]:
+def read_list_entries(path: Path, display: str) -> list[tuple[str, str, torch.dtype | None]]:
     """(entry, 'file:line', section dtype) triples of one list file, every section, in file order; the section
     dtype is None under [all] (and at the top of a file)."""
-    display = display or str(path)
     try:
         text = path.read_text(encoding="utf-8-sig")  # -sig: editors on Windows start files with a BOM
     except (OSError, UnicodeDecodeError) as error:
@@ -111,7 +110,6 @@ def read_list_entries(path: Path, display: str | None = None) -> list[tuple[str,
     return entries
 
 
-def read_list_file(path: Path, dtype: torch.dtype, display: str | None = None) -> list[tuple[str, str]]:
+def read_list_file(path: Path, dtype: torch.dtype, display: str) -> list[tuple[str, str]]:
     """The (entry, 'file:line') pairs of read_list_entries that apply to `dtype`, in file order; its errors too."""
-    entries = read_list_entries(path, display)
-    return [(entry, where) for entry, where, section_dtype in entries if section_dtype in (None, dtype)]
+    return [(entry, where) for entry, where, section in read_list_entries(path, display) if section in (None, dtype)]
