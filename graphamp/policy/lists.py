@@ -209,7 +209,7 @@ class AutoMixedPrecisionLists:
         warn_unregistered(unregistered)
         self.black_modules = self._read_black_modules(custom_black_modules)
         self.custom_black_modules = tuple(_as_names(custom_black_modules, "custom_black_modules"))
-        self.promote_ops = read_promote_ops(self.lists_dir, self.dtype, self._display(self.lists_dir / PROMOTE_FILE))
+        self.promote_ops = self._read_promote_ops()
 
     # -- reading -------------------------------------------------------------------------------------------
     def _display(self, path: Path) -> str:
@@ -260,6 +260,14 @@ class AutoMixedPrecisionLists:
         for pattern in patterns:
             check_module_pattern(pattern.name, pattern.source)
         return patterns
+
+    def _read_promote_ops(self) -> frozenset[str]:
+        """The op names of the folder's promote.txt (none when it has no such file)."""
+        path = self.lists_dir / PROMOTE_FILE
+        entries = read_list_file(path, self.dtype, self._display(path)) if path.exists() else []
+        for entry, where in entries:
+            check_op_name(canonical_op_name(entry), where)
+        return frozenset(canonical_op_name(entry) for entry, _ in entries)
 
     def warn_unmatched_black_modules(self, model: torch.nn.Module) -> None:
         """Warn for each black-module pattern that matches no module of `model`, naming the closest paths:
@@ -368,18 +376,6 @@ class AutoMixedPrecisionLists:
         custom = "".join(f", {e.source}+={e.name}" for e in sorted(customs, key=lambda e: e.name))
         modules = f", black_modules={[e.name for e in self.black_modules]}" if self.black_modules else ""
         return f"AutoMixedPrecisionLists(dtype={self.dtype_name}, {counts}{custom}{modules})"
-
-
-def read_promote_ops(lists_dir: Path, dtype: torch.dtype, display: str) -> frozenset[str]:
-    """The op names of a lists folder's promote.txt (none when the folder has no such file)."""
-    path = lists_dir / PROMOTE_FILE
-    if not path.exists():
-        return frozenset()
-    names = []
-    for entry, where in read_list_file(path, dtype, display):
-        check_op_name(canonical_op_name(entry), where)
-        names.append(canonical_op_name(entry))
-    return frozenset(names)
 
 
 def _as_names(values, argument: str) -> list[str]:
