@@ -76,16 +76,12 @@ def qualified_op_name(op: OpOverload | OpOverloadPacket) -> str:
     return op._schema.name if isinstance(op, OpOverload) else op._qualified_op_name
 
 
-def all_op_schemas() -> list:
-    """The schema of every op registered now, custom ops included. Pinned by tests/test_bad_input.py
-    (test_a_typo_of_a_registered_custom_op_gets_a_suggestion)."""
-    return torch._C._jit_get_all_schemas()
-
-
-def op_schemas_named(qualified: str) -> list:
-    """The schemas of the op named 'namespace::name', one per overload; [] if none is registered. Pinned by
-    tests/test_bad_input.py (test_an_op_spelled_as_node_target_prints_it_is_that_overload)."""
-    return torch._C._jit_get_schemas_for_operator(qualified)
+# The schema of every op registered now, custom ops included. Pinned by tests/test_bad_input.py
+# (test_a_typo_of_a_registered_custom_op_gets_a_suggestion).
+all_op_schemas = torch._C._jit_get_all_schemas
+# op_schemas_named('namespace::name'): the op's schemas, one per overload; [] if none is registered. Pinned by
+# tests/test_bad_input.py (test_an_op_spelled_as_node_target_prints_it_is_that_overload).
+op_schemas_named = torch._C._jit_get_schemas_for_operator
 
 
 # -- modes and fake tensors --------------------------------------------------------------------------------------
@@ -150,10 +146,9 @@ def tracing_on_fake_tensors() -> bool:
 _get_dispatch_mode, _FAKE_MODE = torch._C._get_dispatch_mode, torch._C._TorchDispatchModeKey.FAKE
 
 
-def tracing_context():
-    """Dynamo's context for the frame it compiles (its fake mode, each input tensor's symbolic context); None outside.
-    Pinned by tests/test_backend.py (test_dynamic_batch_sizes_reuse_one_symbolic_graph)."""
-    return torch._guards.TracingContext.try_get()
+# tracing_context(): dynamo's context for the frame it compiles (its fake mode, each input tensor's symbolic context);
+# None outside. Pinned by tests/test_backend.py (test_dynamic_batch_sizes_reuse_one_symbolic_graph).
+tracing_context = torch._guards.TracingContext.try_get
 
 
 # -- dynamo ------------------------------------------------------------------------------------------------------
