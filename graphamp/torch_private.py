@@ -5,11 +5,9 @@ private torch name anywhere else). Each is pinned by a test (named below) that f
 relies on. Every one was checked on torch 2.13 and on 2.11, the oldest pyproject.toml allows (the whole suite on
 both: 2.13.0+cpu and 2.11.0+cu130 on a CPU, 2026-11-28).
 
-Left where they are, as torch documents them as the way to do the thing (test_architecture.py lists them too):
-- `torch._foreach_*` (training/): one kernel launch for a list of tensors, as torch.optim calls them;
-- `torch._amp_foreach_non_finite_check_and_unscale_` and `torch._amp_update_scale_` (training/): GradScaler's own
-  kernels, which keep the loss-scaling state on the device with no host sync;
-- `torch.ops.aten._to_copy` and other underscore ATen ops: op names, as the graphs hold them, not Python APIs.
+Left where they are, as torch documents them as the way to do the thing: the foreach kernels, GradScaler's own two
+and underscore ATen op names (training/ and the graphs), each with why in test_architecture.py's
+PRIVATE_TORCH_NAMES_ALLOWED.
 
 Private names that stay as strings where they are used (the test reads names, not strings): the `_compiled_call_impl`
 and `_call_impl` that frontends/rewrite.py installs on the model as nn.Module.compile does, the LR scheduler's

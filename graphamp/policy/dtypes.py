@@ -38,15 +38,14 @@ def check_dtype_runs_on(device: torch.device | None, dtype: torch.dtype, compile
         return
     if device.type == "cuda":
         name, capability = torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)
+        named = f"{name} (sm_{capability[0]}{capability[1]})"
         if dtype == torch.float16 and capability < (5, 3):
-            raise ArgumentError(
-                f"{name} (sm_{capability[0]}{capability[1]}) has no float16 arithmetic: train it in float32."
-            )
+            raise ArgumentError(f"{named} has no float16 arithmetic: train it in float32.")
         if dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
             raise ArgumentError(f"{name} cannot run bfloat16: use AutoMixedPrecisionLists(dtype='float16').")
         if dtype == torch.bfloat16 and compile and capability < (8, 0):
             raise ArgumentError(
-                f"{name} (sm_{capability[0]}{capability[1]}) cannot run inductor's bfloat16 kernels, which need sm_80: "
+                f"{named} cannot run inductor's bfloat16 kernels, which need sm_80: "
                 f"use AutoMixedPrecisionLists(dtype='float16') or compile=False."
             )
     if device.type == "cpu" and dtype == torch.float16:
