@@ -152,11 +152,8 @@ class _Iteration:
 
     def __init__(self, member: OptimizerWithMixedPrecision) -> None:
         self.members = [member]
-        self.loss_scaled = False
-        self.scaled_in_graph = False  # a linked model scaled gradients in its graphs since the last step
-        self.checks = CheckedGradients(self.owner_of)  # the gradients those graphs checked for inf/NaN
-        self.scaling: dict[torch.device, ScalingFactors] = {}  # the graphs' factors, the same for each run
-        self._owners: dict[int, int] | None = None
+        self.checks = CheckedGradients(self.owner_of)  # the gradients a linked model's graphs checked for inf/NaN
+        self.restart()
 
     def owner_of(self, tensor: torch.Tensor) -> int | None:
         """Which member holds `tensor` (a parameter), so that each member's found_inf covers its own gradients."""
@@ -183,10 +180,10 @@ class _Iteration:
         for member in self.members:
             member._stage = _Stage.READY
         self.loss_scaled = False
-        self.scaled_in_graph = False
+        self.scaled_in_graph = False  # a linked model scaled gradients in its graphs since the last step
         self.checks.clear()
-        self.scaling = {}
-        self._owners = None
+        self.scaling: dict[torch.device, ScalingFactors] = {}  # the graphs' factors, the same for each run
+        self._owners: dict[int, int] | None = None
 
     def waiting_for(self) -> str:
         waiting = [f"#{i} ({type(member._optimizer).__name__})" for i, member in enumerate(self.members)
