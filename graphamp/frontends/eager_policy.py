@@ -221,8 +221,9 @@ class EagerPolicy(TorchFunctionMode):
     @never_a_frame_of_its_own
     def __torch_function__(self, func, types, args=(), kwargs=None):
         # While dynamo traces, the cast pass decides what it captures. is_dynamo_compiling() is a constant to dynamo
-        # and False eagerly in every thread, so dynamo inlines nothing of this mode but the call (a third of its
-        # trace time otherwise); other tracers (torch.export's) are told by the flag and this thread's context.
+        # and False eagerly in every thread, so dynamo inlines nothing of this mode but the call (GPT-2's trace
+        # under the policy: +0.8 s -> +0.2 s over 2.1 s); other tracers (torch.export's) are told by the flag and
+        # this thread's context.
         if _is_dynamo_compiling() or (_is_compiling() and dynamo_traces_this_thread()):
             return func(*args, **(kwargs or {}))
         rule = self._by_function.get(func, _UNKNOWN)
