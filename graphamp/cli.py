@@ -76,8 +76,6 @@ def _subcommand(subcommands, name: str, run, summary: str, description: str, exa
     return command
 
 
-# -- graphamp lists --------------------------------------------------------------------------------------------
-
 def _add_lists(subcommands) -> None:
     command = _subcommand(
         subcommands, "lists", _lists,
@@ -86,16 +84,13 @@ def _add_lists(subcommands) -> None:
         "entry with the file line (or argument) it comes from.",
         "graphamp lists --dtype bfloat16 --lists my_lists",
     )
-    command.add_argument("--lists", metavar="DIR", help="a lists folder replacing the shipped lists/")
-    command.add_argument("--dtype", choices=DTYPES, default="float16", help="the low-precision dtype (default float16)")
+    _add_lists_arguments(command)
 
 
 def _lists(args, parser) -> int:
     print(AutoMixedPrecisionLists(dtype=args.dtype, lists_dir=args.lists).describe())
     return 0
 
-
-# -- graphamp check-lists --------------------------------------------------------------------------------------
 
 def _add_check_lists(subcommands) -> None:
     command = _subcommand(
@@ -131,8 +126,6 @@ def _check_lists(args, parser) -> int:
     return 0
 
 
-# -- graphamp export -------------------------------------------------------------------------------------------
-
 def _add_export(subcommands) -> None:
     command = _subcommand(
         subcommands, "export", _export,
@@ -160,8 +153,6 @@ def _export(args, parser) -> int:
     return 0
 
 
-# -- graphamp doctor -------------------------------------------------------------------------------------------
-
 def _add_doctor(subcommands) -> None:
     command = _subcommand(
         subcommands, "doctor", _doctor,
@@ -186,26 +177,24 @@ def _add_doctor(subcommands) -> None:
                          help="search lists with the loss's relative error within TOL; written to OUT/auto_lists")
 
 
-def _positive_number(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive finite number (e.g. 1024 or 0.01)")
-    return value
+def _number(convert, fits, wanted: str):
+    """An argparse type: `convert(text)` where it `fits`, else an error saying what was wanted."""
+    def number(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not fits(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {wanted}")
+        return value
+    return number
 
 
 def _count(least: int):
-    def count(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = least - 1
-        if value < least:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least {least}")
-        return value
-    return count
+    return _number(int, lambda value: value >= least, f"a whole number of at least {least}")
+
+
+_positive_number = _number(float, lambda v: math.isfinite(v) and v > 0, "a positive finite number (e.g. 1024 or 0.01)")
 
 
 def _doctor(args, parser) -> int:
@@ -247,12 +236,14 @@ def _check_writable(folder: Path, option: str) -> None:
         raise GraphampError(f"{folder}: cannot write there ({reason}); pass {option} a folder you can write.") from error
 
 
-# -- shared by export and doctor -------------------------------------------------------------------------------
+def _add_lists_arguments(command) -> None:
+    command.add_argument("--lists", metavar="DIR", help="a lists folder replacing the shipped lists/")
+    command.add_argument("--dtype", choices=DTYPES, default="float16", help="the low-precision dtype (default float16)")
+
 
 def _add_model_arguments(command) -> None:
     command.add_argument("factory", metavar="MODULE:FACTORY", help="e.g. my_models:tiny_gpt2")
-    command.add_argument("--lists", metavar="DIR", help="a lists folder replacing the shipped lists/")
-    command.add_argument("--dtype", choices=DTYPES, default="float16", help="the low-precision dtype (default float16)")
+    _add_lists_arguments(command)
     command.add_argument(
         "--level", choices=("O1", "O2"), default="O1", help="O1: lists decide (default); O2: all but black ops run low"
     )
@@ -277,14 +268,14 @@ def _factory_call(args, parser):
     sys.path.insert(0, here)  # `graphamp export my_models:f` finds my_models.py here, as `python -m` would
     try:
         module = importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        if error.name is None or not (module_name == error.name or module_name.startswith(error.name + ".")):
-            raise _import_failed(spec, module_name, error) from error
-        raise GraphampError(
-            f"{spec}: cannot import {module_name!r} ({error}); run from the folder that holds it."
-        ) from error
-    except Exception as error:  # the module itself fails: a syntax error, a failing import inside, ...
-        raise _import_failed(spec, module_name, error) from error
+    except Exception as error:
+        missing = getattr(error, "name", None) if isinstance(error, ModuleNotFoundError) else None
+        if missing is not None and (module_name + ".").startswith(missing + "."):  # not found: MODULE or a parent
+            raise GraphampError(
+                f"{spec}: cannot import {module_name!r} ({error}); run from the folder that holds it."
+            ) from error
+        # found, but running it failed (a syntax error, a failing import inside, ...): say what failed
+        raise GraphampError(f"{spec}: importing {module_name} failed: {type(error).__name__}: {error}") from error
     finally:
         sys.path.remove(here)
     factory = getattr(module, factory_name, None)
@@ -302,10 +293,8 @@ def _factory_call(args, parser):
     except Exception as error:
         raise GraphampError(f"{spec}: {factory_name}() raised {type(error).__name__}: {error}") from error
     if not (isinstance(result, tuple) and len(result) in (2, 3) and isinstance(result[0], nn.Module)):
-        if isinstance(result, tuple):
-            got = f"({', '.join(type(item).__name__ for item in result)})"
-        else:
-            got = f"a {type(result).__name__}"
+        items = f"({', '.join(type(item).__name__ for item in result)})" if isinstance(result, tuple) else None
+        got = items or f"a {type(result).__name__}"
         raise GraphampError(
             f"{spec} returned {got}; it must return (model, example_args) or (model, example_args, example_kwargs)."
         )
@@ -315,11 +304,6 @@ def _factory_call(args, parser):
     if not isinstance(example_kwargs, dict):
         raise GraphampError(f"{spec} returned example_kwargs of type {type(example_kwargs).__name__}; return a dict.")
     return model, example_args, example_kwargs
-
-
-def _import_failed(spec: str, module_name: str, error: Exception) -> GraphampError:
-    """The module was found, but running it failed: say what failed, not where to run from."""
-    return GraphampError(f"{spec}: importing {module_name} failed: {type(error).__name__}: {error}")
 
 
 if __name__ == "__main__":
