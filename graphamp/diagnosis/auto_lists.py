@@ -17,7 +17,7 @@ from graphamp.policy.config import check_entry_arguments
 from graphamp.diagnosis.list_writer import write_lists
 from graphamp.policy.dtypes import dtype_name
 from graphamp.policy.lists import BLACK, WHITE, AutoMixedPrecisionLists
-from graphamp.diagnosis.probe import LIST_DECISIONS, NodeNumerics, Probe
+from graphamp.diagnosis.probe import NodeNumerics, Probe, by_list_entry
 
 __all__ = ["AutoListsResult", "auto_mixed_precision"]
 
@@ -86,7 +86,7 @@ def auto_mixed_precision(
     measured = probe.compare(start, reference, backward=False)
     colors = {e.name: e.color for e in start.entries()}
     # Entries that can run low, most costly first; ops with no low-precision kernel keep their list.
-    cost = _cost_of_running_low(measured.nodes, start)
+    cost = _cost_of_running_low(measured.nodes)
     candidates = sorted(cost, key=lambda entry: (-cost[entry], entry))
     evaluations = 0
 
@@ -127,17 +127,11 @@ def auto_mixed_precision(
     )
 
 
-def _cost_of_running_low(nodes: list[NodeNumerics], amp_lists: AutoMixedPrecisionLists) -> dict[str, float]:
-    """Per list entry, the worst error of its ops run low (inf where values overflow); entries whose ops
-    cannot run low are left out."""
-    cost: dict[str, float] = {}
-    for record in nodes:
-        if record.decision not in LIST_DECISIONS or record.runs_in is None:
-            continue
-        if record.low_error is None:
-            cost[record.entry] = math.nan  # marks the entry as unable to run low
-            continue
-        worst = math.inf if record.overflow > 0 or record.nonfinite else record.low_error
-        if not math.isnan(cost.get(record.entry, 0.0)):
-            cost[record.entry] = max(cost.get(record.entry, 0.0), worst)
-    return {entry: value for entry, value in cost.items() if not math.isnan(value)}
+def _cost_of_running_low(nodes: list[NodeNumerics]) -> dict[str, float]:
+    """Per list entry, the worst error of its ops run low (inf where values overflow); entries with an op that
+    cannot run low (no low_error) are left out."""
+    return {
+        entry: max([0.0, *(math.inf if r.overflow > 0 or r.nonfinite else r.low_error for r in records)])
+        for entry, records in by_list_entry(nodes).items()
+        if all(r.low_error is not None for r in records)
+    }

@@ -31,10 +31,10 @@ from graphamp.policy.config import AmpConfig
 from graphamp.diagnosis.numerics import floating_leaves, nonfinite_where_finite, range_in, relative_error
 from graphamp.torch_private import HigherOrderOperator, OpOverload, pytree
 
-__all__ = ["Comparison", "LIST_DECISIONS", "NodeNumerics", "Probe", "Reference"]
+__all__ = ["Comparison", "NodeNumerics", "Probe", "Reference", "by_list_entry"]
 
 _INDEX = "graphamp_doctor_index"  # meta key: a node's place in the captured graph, kept by the rewritten copy
-LIST_DECISIONS = (WHITE, BLACK, GRAY, Decision.UNLISTED)  # the ops the lists decide (not the model's casts, not ours)
+_LIST_DECISIONS = (WHITE, BLACK, GRAY, Decision.UNLISTED)  # the ops the lists decide (not the model's casts, not ours)
 
 
 @dataclass
@@ -67,6 +67,15 @@ class NodeNumerics:
             setattr(self, name, theirs if mine is None else mine if theirs is None else _worst(mine, theirs))
         self.nonfinite |= other.nonfinite
         self.grad_nonfinite |= other.grad_nonfinite
+
+
+def by_list_entry(nodes: list[NodeNumerics]) -> dict[str, list[NodeNumerics]]:
+    """The floating op nodes the lists decide, by the entry that decides them, in execution order."""
+    found: dict[str, list[NodeNumerics]] = {}
+    for record in nodes:
+        if record.decision in _LIST_DECISIONS and record.runs_in is not None:
+            found.setdefault(record.entry, []).append(record)
+    return found
 
 
 @dataclass

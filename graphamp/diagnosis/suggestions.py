@@ -13,7 +13,7 @@ import torch
 from graphamp.policy.dtypes import dtype_name
 from graphamp.policy.lists import BLACK, WHITE, AutoMixedPrecisionLists
 from graphamp.diagnosis.numerics import unit_roundoff
-from graphamp.diagnosis.probe import LIST_DECISIONS, Comparison, NodeNumerics, Probe, Reference
+from graphamp.diagnosis.probe import Comparison, NodeNumerics, Probe, Reference, by_list_entry
 
 __all__ = [
     "MAX_FIX_ROUNDS", "ROUNDINGS_ALLOWED", "Suggestion", "UNDERFLOW_ALLOWED", "accuracy_and_speed",
@@ -67,12 +67,8 @@ def accuracy_and_speed(nodes: list[NodeNumerics], dtype: torch.dtype, taken: set
     """FP32 candidates for ops badly conditioned in `dtype`; white candidates among the black ops that fit it."""
     limit = ROUNDINGS_ALLOWED * unit_roundoff(dtype)
     low = dtype_name(dtype)
-    by_entry: dict[str, list[NodeNumerics]] = {}
-    for record in nodes:
-        if record.decision in LIST_DECISIONS and record.runs_in is not None:
-            by_entry.setdefault(record.entry, []).append(record)
     suggestions = []
-    for entry, records in sorted(by_entry.items()):
+    for entry, records in sorted(by_list_entry(nodes).items()):
         if entry in taken:
             continue
         running_low = [r for r in records if r.runs_in == low and r.local_error is not None]
