@@ -23,7 +23,7 @@ from graphamp.policy.lists import Decision
 
 __all__ = [
     "CAST_FILL", "CAST_STYLE", "FILL", "OTHER_FILL", "SHORT", "collapsed_blocks", "dot_source", "find_dot",
-    "render_svg", "run_dot", "runs_in",
+    "render_svg", "runs_in",
 ]
 
 FILL = {"float16": "#b9e4a8", "bfloat16": "#b9e4a8", "float32": "#aecbf2", "float64": "#d5bdf2"}
@@ -41,7 +41,16 @@ def runs_in(record: dict) -> str | None:
 
 def render_svg(graphs, records, lifted: list[Node], parameter_names: dict, title: str) -> str:
     """graph.svg's text: the DOT description of the graphs, laid out and drawn by dot."""
-    return run_dot(dot_source(graphs, records, lifted, parameter_names, title), "svg")
+    source = dot_source(graphs, records, lifted, parameter_names, title)
+    dot = find_dot()
+    result = subprocess.run([dot, "-Tsvg"], input=source.encode(), capture_output=True, timeout=300)
+    if result.returncode != 0:
+        message = result.stderr.decode(errors="replace").strip().splitlines()
+        raise ExportError(
+            f"{dot} could not lay out graph.svg (exit {result.returncode}): {message[0] if message else 'no message'}."
+            f" Fix: update graphviz-pure (pip install -U graphviz-pure), or report the graph to graphamp."
+        )
+    return result.stdout.decode()
 
 
 def dot_source(graphs, records, lifted, parameter_names, title) -> str:
@@ -241,7 +250,8 @@ def find_dot() -> str:
         sysconfig.get_path("scripts"),
         str(Path(sys.executable).parent),  # a venv used without activating it
         sysconfig.get_path("scripts", f"{os.name}_user"),
-        str(_install_folder() / "bin"),  # pip install --target DIR puts scripts in DIR/bin
+        # pip install --target DIR puts scripts in DIR/bin, and this file in DIR/graphamp/inspection/
+        str(Path(__file__).resolve().parents[__name__.count(".")] / "bin"),
     ]))
     candidates = [shutil.which("graphviz-pure"), *(str(Path(f) / "graphviz-pure") for f in folders)]
     for candidate in [*candidates, shutil.which("dot")]:
@@ -251,20 +261,3 @@ def find_dot() -> str:
         "graph.svg needs Graphviz's dot and none was found (looked for graphviz-pure on PATH and in "
         f"{', '.join(folders)}, then dot on PATH). Fix: pip install graphviz-pure."
     )
-
-
-def _install_folder() -> Path:
-    """DIR of DIR/graphamp/...: this file's folder up as many levels as its module path is deep."""
-    return Path(__file__).resolve().parents[__name__.count(".")]
-
-
-def run_dot(source: str, output_format: str = "svg") -> str | bytes:
-    dot = find_dot()
-    result = subprocess.run([dot, f"-T{output_format}"], input=source.encode(), capture_output=True, timeout=300)
-    if result.returncode != 0:
-        message = result.stderr.decode(errors="replace").strip().splitlines()
-        raise ExportError(
-            f"{dot} could not lay out graph.svg (exit {result.returncode}): {message[0] if message else 'no message'}."
-            f" Fix: update graphviz-pure (pip install -U graphviz-pure), or report the graph to graphamp."
-        )
-    return result.stdout.decode() if output_format == "svg" else result.stdout
