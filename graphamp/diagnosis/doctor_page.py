@@ -18,7 +18,8 @@ _W, _H, _LEFT, _RIGHT, _TOP, _BOTTOM = 1000, 360, 60, 160, 20, 40  # the right m
 _ERROR, _RANGE, _BAD = "#1f77b4", "#ff7f0e", "#d62728"
 _HALO = 'stroke="white" stroke-width="3" paint-order="stroke"'  # keeps a label readable over thousands of points
 _NOT_MEASURED = "no nodes were measured."
-_NUMERIC = {"index", "max_abs", "overflow", "underflow", "error", "local_error", "low_error", "grad_error"}
+_NUMERIC = {"index", "max_abs", "overflow", "underflow", "error", "local_error", "low_error", "grad_error",
+            "grad_max_abs"}
 _OFFENDER_COLUMNS = [
     ("node", "name"), ("op", "op"), ("module", "module"), ("decision", "decision"), ("runs in", "runs_in"),
     ("max |x|", "max_abs"), ("overflow %", "overflow"), ("underflow %", "underflow"), ("error", "error"),
@@ -28,6 +29,8 @@ _NODE_COLUMNS = (
     [("#", "index")] + _OFFENDER_COLUMNS[:4] + [("source", "source")] + _OFFENDER_COLUMNS[4:10]
     + [("low error", "low_error")] + _OFFENDER_COLUMNS[10:]
 )
+_PARAMETER_COLUMNS = [("parameter", "name"), ("grad error", "grad_error"), ("grad max |x|", "grad_max_abs"),
+                      ("non-finite", "grad_nonfinite")]
 
 
 def render_doctor_page(report: dict) -> str:
@@ -36,10 +39,10 @@ def render_doctor_page(report: dict) -> str:
     sections = [
         _verdict(report),
         _suggestions_section(report.get("suggestions") or []),
-        section("Top offenders", _node_table(report.get("top_offenders") or [], _OFFENDER_COLUMNS), _NOT_MEASURED),
+        section("Top offenders", _table(report.get("top_offenders") or [], _OFFENDER_COLUMNS), _NOT_MEASURED),
         _plot_section(report),
         _parameters_section(report.get("parameters") or []),
-        section("All nodes", _node_table(report.get("nodes") or [], _NODE_COLUMNS), _NOT_MEASURED),
+        section("All nodes", _table(report.get("nodes") or [], _NODE_COLUMNS), _NOT_MEASURED),
     ]
     return render_page(f"graphamp doctor: {title}", sections, _STYLE)
 
@@ -82,14 +85,15 @@ def _suggestions_section(suggestions: list) -> str:
     return section("Suggestions", f"<ul>\n{items}\n</ul>" if suggestions else "", "no list change is suggested.")
 
 
-def _node_table(nodes: list, columns: list) -> str:
-    if not nodes:
+def _table(records: list, columns: list) -> str:
+    """A table of node (or parameter) records, a row each; rows with an inf/NaN value or gradient are marked bad."""
+    if not records:
         return ""
     head = "".join(f"<th>{escape(header)}</th>" for header, _ in columns)
     rows = "\n".join(
-        ("<tr class=bad>" if node.get("nonfinite") or node.get("grad_nonfinite") else "<tr>")
-        + "".join(_cell(key, node.get(key)) for _, key in columns) + "</tr>"
-        for node in nodes
+        ("<tr class=bad>" if record.get("nonfinite") or record.get("grad_nonfinite") else "<tr>")
+        + "".join(_cell(key, record.get(key)) for _, key in columns) + "</tr>"
+        for record in records
     )
     return f"<table>\n<tr>{head}</tr>\n{rows}\n</table>"
 
@@ -99,6 +103,8 @@ def _cell(key: str, value) -> str:
         return f"<td class=n>{format_number(None if value is None else value * 100)}</td>"
     if key in _NUMERIC:
         return f"<td class=n>{format_number(value)}</td>"
+    if key == "grad_nonfinite":
+        return f"<td>{'yes' if value else 'no'}</td>"
     text = escape("-" if value is None else value)
     return f"<td><code>{text}</code></td>" if key in ("name", "op") else f"<td>{text}</td>"
 
@@ -107,16 +113,9 @@ def _parameters_section(parameters: list, limit: int = 50) -> str:
     worst_first = sorted(
         parameters, key=lambda p: -math.inf if p.get("grad_nonfinite") else -ranked(p.get("grad_error"))
     )
-    rows = "\n".join(
-        ("<tr class=bad>" if p.get("grad_nonfinite") else "<tr>") + f"<td><code>{escape(p['name'])}</code></td>"
-        f"<td class=n>{format_number(p.get('grad_error'))}</td><td class=n>{format_number(p.get('grad_max_abs'))}</td>"
-        f"<td>{'yes' if p.get('grad_nonfinite') else 'no'}</td></tr>"
-        for p in worst_first[:limit]
-    )
     more = f"\n<p>… and {len(worst_first) - limit} more, not shown.</p>" if len(worst_first) > limit else ""
-    table = ("<table>\n<tr><th>parameter</th><th>grad error</th><th>grad max |x|</th><th>non-finite</th></tr>\n"
-             f"{rows}\n</table>{more}")
-    return section("Parameter gradients", table if parameters else "", "no parameter gradients were compared.")
+    table = _table(worst_first[:limit], _PARAMETER_COLUMNS)
+    return section("Parameter gradients", table + more, "no parameter gradients were compared.")
 
 
 def _plot_section(report: dict) -> str:
