@@ -17,8 +17,11 @@ from graphamp.torch_private import outside_every_mode
 
 __all__ = ["KERNEL_FAMILIES", "rounded_once", "runs_low_on"]
 
-# instance_norm, as the batch_norm ops, is probed as F.batch_norm.
-_NORMS = {op: next((f for f in ("layer_norm", "group_norm") if f in op), "batch_norm") for op in NORM_OPS}
+# The F function each normalization op is probed with (instance_norm runs batch_norm's kernel). A norm op of no
+# family here is not probed, rather than probed as some other family's kernel.
+_NORM_FAMILIES = {"layer_norm": "layer_norm", "group_norm": "group_norm", "batch_norm": "batch_norm",
+                  "instance_norm": "batch_norm"}
+_NORMS = {op: family for op in NORM_OPS for part, family in _NORM_FAMILIES.items() if part in op}
 # interpolate's mode and the number of spatial dims of each upsample op.
 _INTERPOLATIONS = {
     "upsample_nearest1d": ("nearest", 1), "upsample_nearest2d": ("nearest", 2), "upsample_nearest3d": ("nearest", 3),
