@@ -17,6 +17,7 @@ import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
@@ -179,6 +180,10 @@ def scenario_ddp(rank):
 
 def scenario_ddp_compile(rank):
     results, lists = {}, model_lists("bfloat16")
+    if rank == 0:  # inductor compiles the kernels once; rank 1 loads them from its cache instead of compiling them too
+        warm = graphamp.rewrite(model_of(), amp_lists=lists, compile=True)
+        warm(*rank_batches(rank)[0]).backward()  # no optimizer: its inf/NaN check would wait for rank 1
+    dist.barrier()
     for compile in (False, True):
         model = DistributedDataParallel(graphamp.rewrite(model_of(), amp_lists=lists, compile=compile))
         optimizer = decorated(model.parameters(), lists)
