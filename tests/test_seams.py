@@ -66,12 +66,12 @@ def _decoder(build):
     return build(), {"input_ids": ids, "labels": ids}
 
 
-# One layer where it saves time (Mamba's scan, DeBERTa's, BERT's and Bloom's layers): a model's seams are the same in
-# every layer.
+# One layer where it saves time (GPT-2's, Llama's, Mamba's scan, DeBERTa's, BERT's and Bloom's layers): a model's seams
+# are the same in every layer.
 OUTSIDE_MODELS = {
     **ENCODERS,
-    "gpt2": lambda: _decoder(gpt2),
-    "llama": lambda: _decoder(llama),
+    "gpt2": lambda: _decoder(lambda: gpt2(n_layer=1)),
+    "llama": lambda: _decoder(lambda: llama(num_hidden_layers=1)),
     "bert": lambda: (bert(num_hidden_layers=1), {"input_ids": token_batch(), "labels": torch.tensor([0, 2])}),
     "deberta_v2": lambda: (
         deberta_v2(num_hidden_layers=1), {"input_ids": token_batch(), "labels": torch.tensor([1, 0])}
