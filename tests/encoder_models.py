@@ -43,6 +43,18 @@ def mobilevit():
     return tf.MobileViTForImageClassification(config), _pixels()
 
 
+def shallow_mobilevit():
+    """mobilevit() with one block in each stage where HF builds more whatever the config (3 MobileNet blocks in the
+    second stage, 2, 4 and 3 transformer layers in the MobileViT stages): the same convolutions beside attention,
+    in each stage, with a third of the ops to trace."""
+    model, batch = mobilevit()
+    encoder = model.mobilevit.encoder
+    encoder.layer[1].layer = encoder.layer[1].layer[:1]
+    for stage in encoder.layer[2:]:
+        stage.transformer.layer = stage.transformer.layer[:1]
+    return model, batch
+
+
 def albert():
     config = tf.AlbertConfig(vocab_size=128, embedding_size=32, hidden_size=64, num_hidden_layers=2,
                              num_attention_heads=4, intermediate_size=128, num_labels=4)

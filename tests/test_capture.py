@@ -32,6 +32,8 @@ from training import loss_of, relative_error
 
 # bfloat16 keeps 8 bits of mantissa: ~2^-8 = 4e-3 relative error per rounding. Measured in these tests: 1.5e-3 to
 # 5.2e-3 (GPT-2 3.6e-3 to 3.8e-3, BERT 4.8e-3, SmallResNet 3.8e-3 to 4.8e-3, Linear in NestedOutputs 5.2e-3); 4x margin.
+# The GPT-2 and BERT here have one block: each block rounds alike (two-block figures the same, 3.6e-3 to 3.7e-3 and
+# 4.8e-3), and dynamo's time grows with the blocks.
 BF16_RTOL = 2e-2
 
 # The kernels of white ops on CPU: GEMMs, convolutions, fused attention, the oneDNN LSTM layer.
@@ -62,16 +64,20 @@ def converted_with_graphs(front_end, model, args=(), kwargs=None, amp_lists=None
     return program.module(), lambda: [(program.graph_module, program.graph_module.meta["graphamp_report"])]
 
 
+def one_layer_gpt2(attn_implementation="sdpa"):
+    return gpt2(n_layer=1, attn_implementation=attn_implementation)
+
+
 def gpt2_case(attn_implementation="sdpa"):
     ids = token_batch()
-    return gpt2(attn_implementation=attn_implementation), (), {"input_ids": ids, "labels": ids}
+    return one_layer_gpt2(attn_implementation), (), {"input_ids": ids, "labels": ids}
 
 
 def bert_case():
     ids = token_batch()
     mask = torch.ones_like(ids)
     mask[:, -4:] = 0  # padded tail, so the mask is not a no-op
-    model = bert()
+    model = bert(num_hidden_layers=1)
     # BERT writes config.problem_type at its first call with labels, which dynamo guards on: set, it compiles once.
     model.config.problem_type = "single_label_classification"
     return model, (), {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([0, 2])}
@@ -263,7 +269,7 @@ def test_no_grad_region_gemm_executes_in_bfloat16(rewritten, bf16):
 # the one static program it was exported as, unless exported with dynamic=True.
 
 def test_each_new_shape_compiles_a_graph_that_matches_and_a_seen_shape_reuses_its_graph(bf16):
-    model = gpt2()
+    model = one_layer_gpt2()
     reference = copy.deepcopy(model)
     graphamp.rewrite(model, (), {"input_ids": token_batch(2, 16)}, amp_lists=bf16, dynamic=False)
 
@@ -281,14 +287,14 @@ def test_each_new_shape_compiles_a_graph_that_matches_and_a_seen_shape_reuses_it
 
 
 def test_an_exported_program_refuses_a_shape_it_was_not_exported_for(bf16):
-    program = graphamp.export_program(gpt2(), (), {"input_ids": token_batch(2, 16)}, amp_lists=bf16)
+    program = graphamp.export_program(one_layer_gpt2(), (), {"input_ids": token_batch(2, 16)}, amp_lists=bf16)
 
     with pytest.raises(AssertionError, match=r"input_ids.size\(\)\[0\] == 2"):
         program.module()(input_ids=token_batch(3, 16, seed=1))
 
 
 def test_a_program_exported_with_dynamic_shapes_takes_new_shapes_and_matches_the_original(bf16):
-    model = gpt2()
+    model = one_layer_gpt2()
     program = graphamp.export_program(model, (), {"input_ids": token_batch(2, 16)}, amp_lists=bf16, dynamic=True)
     module = program.module()
     ids = token_batch(3, 24, seed=1)
@@ -324,7 +330,7 @@ def test_keyword_attention_mask_reaches_the_model(front_end, bf16):
 
     hidden = unpadded_last_hidden(run(**kwargs))
 
-    # Measured: 1.4e-4 from the masked original, 3.8e-3 from the unmasked one.
+    # Measured: 9.5e-5 from the masked original, 2.7e-3 from the unmasked one (two-block BERT: 1.4e-4, 3.8e-3).
     assert relative_error(hidden, unpadded_last_hidden(reference(**kwargs))) < (
         relative_error(hidden, unpadded_last_hidden(reference(**unmasked))) / 10
     )

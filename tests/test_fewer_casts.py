@@ -10,13 +10,15 @@ from torch import nn
 
 import graphamp
 from conftest import FrontEnd
-from encoder_models import ENCODERS
+import encoder_models
 from graphamp.inspection.recording import DtypeRecorder, floating
 from graphamp.passes.marks import mark_of
 from graphamp.policy.kernel_support import rounded_once, runs_low_on
 from training import relative_error
 
 RUNS_LOW_ON = "graphamp.passes.cast_pass.runs_low_on"
+# MobileViT with one block a stage (shallow_mobilevit): its convolutions beside attention, in a third of the ops.
+ENCODERS = {**encoder_models.ENCODERS, "mobilevit": encoder_models.shallow_mobilevit}
 
 
 class ConvNeXtBlockTail(nn.Module):
