@@ -12,6 +12,9 @@ import os
 # pool only adds its start-up (a torch import per pool process) to each worker (cold-cache suite: 5:56 -> 5:39).
 # The environment carries it to the processes tests start (torchrun, the distributed jobs).
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# One intra-op thread per worker: two xdist workers with two OpenMP threads each oversubscribe 2 cores, and OpenMP's
+# waiting threads spin (cold-cache suite: 5:34 -> 4:56). Set before torch loads; the processes tests start inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from pathlib import Path
 from typing import Callable, NamedTuple
