@@ -293,8 +293,10 @@ def _factory_call(args, parser):
     except Exception as error:
         raise GraphampError(f"{spec}: {factory_name}() raised {type(error).__name__}: {error}") from error
     if not (isinstance(result, tuple) and len(result) in (2, 3) and isinstance(result[0], nn.Module)):
-        items = f"({', '.join(type(item).__name__ for item in result)})" if isinstance(result, tuple) else None
-        got = items or f"a {type(result).__name__}"
+        if isinstance(result, tuple):
+            got = f"({', '.join(type(item).__name__ for item in result)})"
+        else:
+            got = f"a {type(result).__name__}"
         raise GraphampError(
             f"{spec} returned {got}; it must return (model, example_args) or (model, example_args, example_kwargs)."
         )

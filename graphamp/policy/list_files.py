@@ -83,7 +83,8 @@ def check_visible(text: str, where: str) -> None:
 
 def read_list_entries(path: Path, display: str) -> list[tuple[str, str, torch.dtype | None]]:
     """(entry, 'file:line', section dtype) triples of one list file, every section, in file order; the section
-    dtype is None under [all] (and at the top of a file)."""
+    dtype is None under [all] (and at the top of a file). Raises ListFileError for an unreadable file, an unknown
+    section, an invisible character or a line holding more than one name."""
     try:
         text = path.read_text(encoding="utf-8-sig")  # -sig: editors on Windows start files with a BOM
     except (OSError, UnicodeDecodeError) as error:

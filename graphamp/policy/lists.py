@@ -314,10 +314,18 @@ class AutoMixedPrecisionLists:
         """The effective op entries, sorted by name; only those of `color` when given."""
         return sorted((e for e in self._entries.values() if color is None or e.color == color), key=lambda e: e.name)
 
-    # Paddle's white_list, black_list and gray_list: a frozenset of the names of that color's effective op entries.
-    white_list = property(lambda self: frozenset(e.name for e in self.entries(WHITE)))
-    black_list = property(lambda self: frozenset(e.name for e in self.entries(BLACK)))
-    gray_list = property(lambda self: frozenset(e.name for e in self.entries(GRAY)))
+    # Paddle's white_list, black_list and gray_list: the names of that color's effective op entries.
+    @property
+    def white_list(self) -> frozenset[str]:
+        return frozenset(e.name for e in self.entries(WHITE))
+
+    @property
+    def black_list(self) -> frozenset[str]:
+        return frozenset(e.name for e in self.entries(BLACK))
+
+    @property
+    def gray_list(self) -> frozenset[str]:
+        return frozenset(e.name for e in self.entries(GRAY))
 
     def classify(self, op) -> ListEntry | None:
         """The entry deciding an OpOverload (overload entry before packet entry), or None if unlisted."""
