@@ -303,12 +303,18 @@ def generate_code_now(graph_module: torch.fx.GraphModule) -> None:
 def compile_with_inductor(graph_module: torch.fx.GraphModule, example_inputs: list, mode: str | None,
                           config_patches: dict):
     """Inductor's compile of an ATen graph, with torch.compile's `mode` (its inductor settings) under `config_patches`.
-    Pinned by tests/test_backend.py (test_inductor_compiles_the_rewritten_graphs_with_their_matmuls_low)."""
+
+    The partitioner may recompute in backward a value that backward reads whole (a GEMM's operand): the float32 copy
+    of a low value, which a cast or torch's own kernels (SDPA's math path upcasts q, k and v) make, is then recomputed
+    from the low value instead of saved (docs/compile.md, "What backward keeps"). Pinned by tests/test_backend.py
+    (test_inductor_compiles_the_rewritten_graphs_with_their_matmuls_low) and tests/test_low_outputs.py
+    (test_compiled_it_saves_for_backward_no_more_than_autocast_and_compile)."""
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx  # imported late: inductor takes seconds to import
 
     patches = {**(list_mode_options(mode) if mode else {}), **config_patches}
-    return compile_fx(graph_module, example_inputs, config_patches=patches or None)
+    with torch._functorch.config.patch(ban_recompute_materialized_backward=False):
+        return compile_fx(graph_module, example_inputs, config_patches=patches or None)
 
 
 # -- modules -----------------------------------------------------------------------------------------------------

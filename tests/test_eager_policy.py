@@ -581,3 +581,29 @@ def test_auto_cast_writes_a_low_source_into_a_float32_buffer_in_the_buffers_dtyp
         expected = linear(x).float()
     assert buffer.dtype == torch.float32
     torch.testing.assert_close(buffer[index], 3 * expected)
+
+
+class GrowsACacheFromEmpty(nn.Module):
+    """A cache begun empty in float32 (`torch.tensor([])`) and grown by `cat` with a GEMM's output."""
+
+    def __init__(self):
+        super().__init__()
+        self.keys = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.cat([torch.tensor([]), self.keys(x).flatten()]).square().sum()
+
+
+def test_an_empty_tensor_has_no_say_in_a_gray_ops_dtype_eagerly_as_in_the_graph(bf16):
+    """It holds no values to keep in FP32: the cat runs in the GEMM's dtype under auto_cast and in the rewritten graph
+    alike (where the FP32 trace froze HF's `torch.tensor([], dtype=keys.dtype)` as float32)."""
+    torch.manual_seed(0)
+    model, x = GrowsACacheFromEmpty(), torch.randn(4, 8)
+    eager = copy.deepcopy(model)
+    with DtypeRecorder() as by_policy, graphamp.auto_cast(bf16):
+        eager(x)
+    graphamp.rewrite(model, (x,), amp_lists=bf16)
+    with CompiledCodeRecorder() as by_pass:
+        model(x)
+    assert [c.out_dtypes for c in by_policy.calls_of("cat")] == [c.out_dtypes for c in by_pass.calls_of("cat")] \
+        == [(torch.bfloat16,)]

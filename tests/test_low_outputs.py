@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import graphamp
+import models
 from graphamp.inspection.activation_memory import saved_activation_bytes
 from graphamp.inspection.recording import DtypeRecorder
 from conftest import CompiledCodeRecorder
@@ -217,3 +218,99 @@ def test_export_program_returns_float32_tensors(bf16, seeded):
     program = graphamp.export_program(Head(), (torch.randn(4, 8),), amp_lists=bf16)
     out = program.module()(torch.randn(4, 8))
     assert type(out) is torch.Tensor and out.dtype == torch.float32
+
+
+class StartsItsCacheEmpty(nn.Module):
+    """A cache begun as `torch.tensor([], dtype=keys.dtype)` and grown by `cat`, as HF's DynamicCache does."""
+
+    def __init__(self):
+        super().__init__()
+        self.keys = nn.Linear(8, 8)
+
+    def forward(self, x):
+        keys = self.keys(x)
+        cache = torch.cat([torch.tensor([], dtype=keys.dtype), keys.flatten()])
+        return cache, keys.sum()
+
+
+def test_an_empty_tensor_does_not_promote_what_it_is_concatenated_with(bf16, seeded):
+    """The FP32 trace froze the empty tensor's `dtype=keys.dtype` as float32; it holds no values to keep FP32, so the
+    cache stays in the keys' dtype, as under autocast (a float32 cache would double its bytes)."""
+    model, x = StartsItsCacheEmpty(), torch.randn(4, 8)
+    twin = copy.deepcopy(model)
+    graphamp.rewrite(model, (x,), amp_lists=bf16)
+    with torch.autocast("cpu", torch.bfloat16):
+        theirs, _ = twin(x)
+    with CompiledCodeRecorder() as ours:
+        mine, _ = model(x)
+    assert graphamp.stored_values(mine).dtype == theirs.dtype == torch.bfloat16
+    assert [c.out_dtypes for c in ours.calls_of("cat")] == [(torch.bfloat16,)]
+    assert torch.equal(mine * 1, theirs.float())
+
+
+def test_an_hf_decoders_kv_cache_in_training_is_stored_in_the_dtypes_autocast_gives(bf16, seeded):
+    model = models.llama(num_hidden_layers=1)
+    model.config.use_cache = True  # as a config built with the defaults has it: the forward returns the cache
+    ids = models.token_batch()
+    twin = copy.deepcopy(model)
+    graphamp.rewrite(model, (ids,), amp_lists=bf16)
+    with torch.autocast("cpu", torch.bfloat16):
+        theirs = twin(ids).past_key_values.layers[0]
+    mine = model(ids).past_key_values.layers[0]
+    assert theirs.values.dtype == torch.bfloat16
+    for name in ("keys", "values"):
+        assert graphamp.stored_values(getattr(mine, name)).dtype == getattr(theirs, name).dtype, name
+
+
+class AttentionWithDropout(nn.Module):
+    """Training-mode attention with dropout, as HF's GPT-2 and BERT have it by default: on a CPU, SDPA with dropout
+    takes torch's math path, which computes in float32 inside from the low q, k and v."""
+
+    def __init__(self, width=64, heads=4):
+        super().__init__()
+        self.qkv, self.out, self.heads = nn.Linear(width, 3 * width), nn.Linear(width, width), heads
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True)
+        return self.out(attended.transpose(1, 2).flatten(2)).float().square().mean()
+
+
+def test_compiled_it_saves_for_backward_no_more_than_autocast_and_compile(bf16, seeded):
+    """Inductor's partitioner keeps the low q, k and v and recomputes their float32 copies in backward, as it does
+    under autocast (where the math path's backward even runs low), instead of saving the float32 copies."""
+    model, x = AttentionWithDropout(), torch.randn(4, 64, 64)
+    twin = copy.deepcopy(model)
+    graphamp.rewrite(model, (x,), amp_lists=bf16, compile=True)
+    compiled = torch.compile(twin)
+
+    def autocast_loss():
+        with torch.autocast("cpu", torch.bfloat16):
+            return compiled(x)
+
+    autocast_loss().backward()  # compiled outside the measurement
+    assert saved_activation_bytes(model, lambda: model(x)) <= saved_activation_bytes(twin, autocast_loss)
+
+
+class TakesItsGradientFromTheSecond(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ignored, used):
+        return used.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, grad
+
+
+def test_no_gradient_reaching_it_runs_no_backward_as_in_eager(head):
+    """A reader that gives it no gradient: as in eager code, the model's backward does not run and its parameters
+    get no .grad (not float32 zeros the size of the output, cast down and sent through the whole graph)."""
+    model, twin, x = head
+    other = torch.randn(4, 16, requires_grad=True)
+    with torch.autocast("cpu", torch.bfloat16):
+        TakesItsGradientFromTheSecond.apply(twin(x), other).sum().backward()
+    loss = TakesItsGradientFromTheSecond.apply(model(x), other).sum()
+    with DtypeRecorder() as backward:
+        loss.backward()
+    assert [p.grad for p in model.parameters()] == [p.grad for p in twin.parameters()] == [None] * 4
+    assert not backward.calls_of("zeros", "mm")

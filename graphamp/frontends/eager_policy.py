@@ -34,7 +34,7 @@ from torch.overrides import TorchFunctionMode
 from graphamp.errors import ArgumentError, DoubleAmpError
 from graphamp.frontends.low_storage import LowStorageTensor, stored_values
 from graphamp.policy.aten_ops import NORM_OPS, SAME_DTYPE_OPS
-from graphamp.policy.cast_rule import cast_target
+from graphamp.policy.cast_rule import cast_target, decides_dtype
 from graphamp.policy.config import AmpConfig, check_level, is_normalization_module
 from graphamp.policy.dtypes import HALF_DTYPES
 from graphamp.policy.kernel_support import runs_low_on
@@ -474,10 +474,10 @@ def _first_tensor(values) -> torch.Tensor | None:
 
 
 def _deciding_dtypes(floats: list[torch.Tensor]) -> list[torch.dtype]:
-    """The dtypes that decide a gray op: its floating inputs' but a 0-dim tensor's (as in torch's type promotion),
+    """The dtypes that decide a gray op: its floating inputs' but a 0-dim or empty tensor's (cast_rule.decides_dtype),
     unless it has no other. A graph's low output presented as float32 decides by its storage, as the next graph
     decides on it (cast_pass.py): code dynamo runs between two graphs decides as it would without the break."""
-    dtypes = [stored_values(tensor).dtype for tensor in floats if tensor.dim() > 0]
+    dtypes = [stored_values(tensor).dtype for tensor in floats if decides_dtype(tensor)]
     return dtypes or [stored_values(tensor).dtype for tensor in floats]
 
 

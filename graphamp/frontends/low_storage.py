@@ -161,10 +161,13 @@ class _PresentAsFloat32(torch.autograd.Function):
     @staticmethod
     def forward(ctx, low: torch.Tensor):
         ctx.low_dtype = low.dtype
+        ctx.set_materialize_grads(False)  # no float32 zeros for an output nothing read: the graph makes its own
         return LowStorageTensor(low.detach())
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
+    def backward(ctx, grad: torch.Tensor | None):
+        if grad is None:
+            return None
         if isinstance(grad, LowStorageTensor) and grad._times is None:
             return grad._stored
         return grad.to(ctx.low_dtype)

@@ -23,7 +23,7 @@ from graphamp.policy.aten_ops import (
     FP32_ACCUMULATING_OPS, MODEL_CAST_OPS, NORM_OPS, RESHAPE_OPS, SAME_DTYPE_OPS, TRACE_ASSERTS, VIEW_OPS,
     argument_value, has_explicit_float_dtype, norm_parameter_inputs, set_argument, viewed_input, written_inputs,
 )
-from graphamp.policy.cast_rule import cast_target
+from graphamp.policy.cast_rule import cast_target, decides_dtype
 from graphamp.policy.config import AmpConfig, is_normalization_module
 from graphamp.policy.dtypes import HALF_DTYPES, dtype_name
 from graphamp.policy.kernel_support import runs_low_on
@@ -218,7 +218,7 @@ class _CastPass:
         arrives low (the graph before a graph break computed it low) decides as the low value it is, as it would
         without the break."""
         floats = [n for n in floats if n not in self.draws] or floats
-        deciding = [n for n in floats if n.meta["val"].dim() > 0] or floats
+        deciding = [n for n in floats if decides_dtype(n.meta["val"])] or floats
         dtypes = [node_dtype(self.cast_source[n] if n in self.input_upcasts else n) for n in deciding]
         return cast_target(decision, self.config.level, self.low, dtypes)
 

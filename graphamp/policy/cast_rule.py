@@ -9,7 +9,7 @@ import torch
 
 from graphamp.policy.lists import BLACK, GRAY, WHITE, Decision
 
-__all__ = ["cast_target"]
+__all__ = ["cast_target", "decides_dtype"]
 
 _FOLLOWS_INPUTS = (GRAY, Decision.UNLISTED)
 
@@ -32,3 +32,12 @@ def cast_target(decision: str, level: str, low: torch.dtype, deciding: list[torc
         # Paddle's gray rule: low when every floating input is low, else float32.
         return low if deciding.count(low) == len(deciding) else torch.float32
     return None
+
+
+def decides_dtype(value: torch.Tensor) -> bool:
+    """Whether a floating input has a say in its gray op's dtype: not a 0-dim tensor (as in torch's type promotion),
+    nor one with no elements, which holds no values to keep in FP32. HF's KV cache starts as
+    `torch.tensor([], dtype=keys.dtype)`: an FP32 trace freezes that dtype as float32, and its `cat` with the low
+    keys would promote the whole cache."""
+    numel = value.numel()
+    return value.dim() > 0 and not (isinstance(numel, int) and numel == 0)  # a symbolic size may be anything
