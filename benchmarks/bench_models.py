@@ -49,14 +49,23 @@ class Workload:
 
 BATCHES = 4
 
+# What the benchmark's configs set that HF's defaults do not: no dropout, no KV cache in training. `hf_defaults=True`
+# keeps HF's defaults instead (attention and hidden dropout 0.1 in GPT-2 and BERT, the cache returned in training), as
+# a config built with only the sizes has them.
+QUIET = {
+    "gpt2": dict(use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "bert": dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+    "llama": dict(use_cache=False),
+}
 
-def gpt2(size: str) -> Workload:
+
+def gpt2(size: str, hf_defaults: bool = False) -> Workload:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     s = TRANSFORMER_SIZES[size]
     config = GPT2Config(
         n_layer=s["layers"], n_embd=s["width"], n_head=s["heads"], vocab_size=s["vocab"], n_positions=s["seq"],
-        use_cache=False, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa",
+        attn_implementation="sdpa", **({} if hf_defaults else QUIET["gpt2"]),
     )
     batches = []
     for _ in range(BATCHES):
@@ -65,7 +74,7 @@ def gpt2(size: str) -> Workload:
     return Workload(GPT2LMHeadModel(config), batches, s["batch"] * s["seq"], "tokens")
 
 
-def bert(size: str) -> Workload:
+def bert(size: str, hf_defaults: bool = False) -> Workload:
     from transformers import BertConfig, BertForMaskedLM
 
     s = TRANSFORMER_SIZES[size]
@@ -73,7 +82,7 @@ def bert(size: str) -> Workload:
     config = BertConfig(
         num_hidden_layers=s["layers"], hidden_size=s["width"], num_attention_heads=s["heads"],
         intermediate_size=4 * s["width"], vocab_size=s["vocab"], max_position_embeddings=seq,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, attn_implementation="sdpa",
+        attn_implementation="sdpa", **({} if hf_defaults else QUIET["bert"]),
     )
     batch = s["batch"] * s["seq"] // seq  # the same tokens per step as GPT-2
     batches = []
@@ -131,7 +140,7 @@ class ResNet50(nn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
-def resnet50(size: str) -> Workload:
+def resnet50(size: str, hf_defaults: bool = False) -> Workload:
     s = RESNET_SIZES[size]
     batches = [
         ({"images": torch.randn(s["batch"], 3, s["side"], s["side"])}, torch.randint(0, 1000, (s["batch"],)))
@@ -140,7 +149,7 @@ def resnet50(size: str) -> Workload:
     return Workload(ResNet50(), batches, s["batch"], "images")
 
 
-def llama(size: str) -> Workload:
+def llama(size: str, hf_defaults: bool = False) -> Workload:
     """A Llama-shaped decoder (RMSNorm, rotary positions, SwiGLU) with a 32k vocabulary, as real ones have: the
     logits are then the largest activation of the step."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -149,8 +158,8 @@ def llama(size: str) -> Workload:
     config = LlamaConfig(
         num_hidden_layers=s["layers"], hidden_size=s["width"], num_attention_heads=s["heads"],
         num_key_value_heads=s["heads"], intermediate_size=(8 * s["width"]) // 3, vocab_size=max(s["vocab"], 32000)
-        if size != "tiny" else s["vocab"], max_position_embeddings=s["seq"], use_cache=False,
-        attn_implementation="sdpa",
+        if size != "tiny" else s["vocab"], max_position_embeddings=s["seq"], attn_implementation="sdpa",
+        **({} if hf_defaults else QUIET["llama"]),
     )
     batches = []
     for _ in range(BATCHES):
@@ -162,9 +171,9 @@ def llama(size: str) -> Workload:
 WORKLOADS = {"gpt2": gpt2, "bert": bert, "resnet50": resnet50, "llama": llama}
 
 
-def build(name: str, size: str, device: str) -> Workload:
+def build(name: str, size: str, device: str, hf_defaults: bool = False) -> Workload:
     torch.manual_seed(0)
-    workload = WORKLOADS[name](size)
+    workload = WORKLOADS[name](size, hf_defaults)
     workload.model.to(device).train()
     workload.batches = [
         ({k: v.to(device) for k, v in inputs.items()}, None if target is None else target.to(device))

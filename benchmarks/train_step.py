@@ -69,7 +69,8 @@ def measure(model_name: str, mode: str, dtype_name: str, device: str, steps: int
         _first_use_of_export()
     stacks_mib = _resident_mib("VmRSS") - before_stacks_mib
     baseline_mib = 0.0 if device == "cuda" else _resident_mib("VmRSS")  # torch's own libraries, on a CPU
-    workload = build(model_name, options.get("size") or ("gpu" if device == "cuda" else "cpu"), device)
+    workload = build(model_name, options.get("size") or ("gpu" if device == "cuda" else "cpu"), device,
+                     options.get("hf_defaults", False))
     model, batches = workload.model, workload.batches
     low = getattr(torch, dtype_name)
     compiled = mode.endswith("+compile")
@@ -223,7 +224,7 @@ def run_child(args, model_name: str, mode: str, dtype_name: str) -> dict:
         "--micro-batches", str(args.micro_batches),
     ]
     command += ["--size", args.size] if args.size else []
-    command += ["--loop-style", args.loop_style]
+    command += ["--loop-style", args.loop_style] + ["--hf-defaults"] * args.hf_defaults
     command += ["--fused"] * args.fused + ["--profile"] * args.profile
     command += ["--compile-mode", args.compile_mode] if args.compile_mode else []
     command += ["--trace-dir", str(args.trace_dir)] if args.trace_dir else []
@@ -316,6 +317,7 @@ def _options_line(args) -> str:
     said += ["fused AdamW" if args.fused else ""]
     said += [f"compile mode {args.compile_mode}" if args.compile_mode else ""]
     said += [{"held": "", "loss": "loop keeps only the loss", "own": "loop computes its own loss"}[args.loop_style]]
+    said += ["HF's default dropout and KV cache" if args.hf_defaults else ""]
     said = [s for s in said if s]
     return f"Options: {', '.join(said)}. " if said else ""
 
@@ -365,6 +367,8 @@ def main() -> None:
     parser.add_argument("--loop-style", choices=LOOP_STYLES, default="held",
                         help="held: `out = model(**batch)` kept through backward; loss: `model(**batch).loss` only; "
                              "own: the loop's own cross_entropy on the logits the model returns")
+    parser.add_argument("--hf-defaults", action="store_true",
+                        help="keep HF's default dropout and KV cache in the transformers (bench_models.QUIET)")
     parser.add_argument("--profile", action="store_true", help="also a table of where the time goes (torch.profiler)")
     parser.add_argument("--trace-dir", type=Path, help="with --profile: a Chrome trace per (model, mode, dtype) here")
     parser.add_argument("--child", nargs=3, metavar=("MODEL", "MODE", "DTYPE"), help=argparse.SUPPRESS)
@@ -378,6 +382,7 @@ def main() -> None:
         options = {
             "micro_batches": args.micro_batches, "fused": args.fused, "compile_mode": args.compile_mode,
             "profile": args.profile, "trace_dir": args.trace_dir, "size": args.size, "loop_style": args.loop_style,
+            "hf_defaults": args.hf_defaults,
         }
         if args.trace_dir:
             args.trace_dir.mkdir(parents=True, exist_ok=True)
