@@ -32,10 +32,11 @@ MODES = ("fp32", "autocast", "graphamp")
 EAGER_ONLY_MODES = ("auto_cast",)
 
 
-def steps_for(model_name: str, compiled: bool, device: str, size: str | None = None) -> dict:
+def steps_for(model_name: str, compiled: bool, device: str, size: str | None = None,
+              hf_defaults: bool = False) -> dict:
     """One train-step function per mode, each on its own copy of the same weights."""
     torch.manual_seed(0)
-    workload = build(model_name, size or ("gpu" if device == "cuda" else "cpu"), device)
+    workload = build(model_name, size or ("gpu" if device == "cuda" else "cpu"), device, hf_defaults)
     low = torch.bfloat16
     steps = {}
     for mode in MODES + (() if compiled else EAGER_ONLY_MODES):
@@ -102,6 +103,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="steps per mode per round")
     parser.add_argument("--compiled-only", action="store_true")
     parser.add_argument("--eager-only", action="store_true")
+    parser.add_argument("--hf-defaults", action="store_true", help="HF's default dropout and KV cache (bench_models.py)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--size", choices=("gpu", "cpu", "tiny"), help="bench_models.py's sizes (tiny: a check only)")
     args = parser.parse_args()
@@ -114,7 +116,8 @@ def main() -> None:
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for model_name in args.models.split(","):
         for compiled in kinds:
-            t = measure(steps_for(model_name, compiled, args.device, args.size), args.rounds, args.steps, args.device)
+            steps = steps_for(model_name, compiled, args.device, args.size, args.hf_defaults)
+            t = measure(steps, args.rounds, args.steps, args.device)
             (fp32, _, _), (autocast, autocast_cpu, autocast_rounds), (amp, amp_cpu, amp_rounds) = (
                 t[mode] for mode in MODES
             )
