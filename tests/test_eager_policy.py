@@ -607,3 +607,38 @@ def test_an_empty_tensor_has_no_say_in_a_gray_ops_dtype_eagerly_as_in_the_graph(
         model(x)
     assert [c.out_dtypes for c in by_policy.calls_of("cat")] == [c.out_dtypes for c in by_pass.calls_of("cat")] \
         == [(torch.bfloat16,)]
+
+
+class OffsetRMSNorm(nn.Module):
+    """Gemma's RMSNorm: `1 + self.weight.float()`, where `.float()` of the FP32 weight is the weight itself."""
+
+    def __init__(self, width=8):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(width))
+
+    def forward(self, x):
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (normed * (1.0 + self.weight.float())).type_as(x)
+
+
+class LinearThenOffsetNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.norm = nn.Linear(8, 8), OffsetRMSNorm()
+
+    def forward(self, x):
+        return self.norm(self.fc(x)).sum()
+
+
+def test_o2_keeps_a_norm_weight_read_through_a_no_op_float_in_fp32_eagerly_as_in_the_graph(bf16):
+    torch.manual_seed(0)
+    model, x = LinearThenOffsetNorm(), torch.randn(4, 8)
+    eager = copy.deepcopy(model)
+    with DtypeRecorder() as by_policy, graphamp.auto_cast(bf16, "O2", model=eager):
+        eager(x)
+    graphamp.rewrite(model, (x,), amp_lists=bf16, level="O2")
+    with CompiledCodeRecorder() as by_pass:
+        model(x)
+    adds = [c.in_dtypes for c in by_pass.calls_of("add")]
+    assert adds == [c.in_dtypes for c in by_policy.calls_of("add")]
+    assert adds[-1] == (torch.float32,)  # 1.0 + the weight

@@ -134,6 +134,9 @@ class _CastPass:
         # The dtype each value had when traced (a tuple of dtypes for multi-output ops).
         self.traced_dtype = {node: _dtype_signature(node.meta.get("val")) for node in self.graph.nodes}
         self.never_cast_down = {n for n in self.graph.nodes if n.op == "placeholder" and n.name in fp32_placeholders}
+        for node in self.graph.nodes:  # Gemma's `self.weight.float()`: in eager code the weight itself, not a copy
+            if self._no_op_alias(node) and node.args[0] in self.never_cast_down:
+                self.never_cast_down.add(node)
         self.casts: dict[tuple[Node, torch.dtype], Node] = {}
         self.cast_source: dict[Node, Node] = {}
         self.recast_reshapes: list[Node] = []  # reshapes remade on a cast of their input (_reshape_of_cast)
@@ -188,6 +191,15 @@ class _CastPass:
                 self.graph.erase_node(upcast)
         self.graph.lint()
         self.graph_module.recompile()
+
+    def _no_op_alias(self, node: Node) -> bool:
+        """A model's `.to(dtype)`, `.float()` or `type_as` into the dtype its input already has: eager code returns
+        the input itself."""
+        if node.op != "call_function" or node.target not in MODEL_CAST_OPS or node.target is aten._to_copy.default:
+            return False
+        copies = next((a for a in op_schema(node.target).arguments if a.name == "copy"), None)
+        return (copies is None or not argument_value(node, copies)) and isinstance(node.args[0], Node) \
+            and self.traced_dtype.get(node) == self.traced_dtype.get(node.args[0])
 
     # -- deciding ------------------------------------------------------------------------------------------
     def _decide(self, node: Node) -> OpMark:
