@@ -134,9 +134,10 @@ class _CastPass:
         # The dtype each value had when traced (a tuple of dtypes for multi-output ops).
         self.traced_dtype = {node: _dtype_signature(node.meta.get("val")) for node in self.graph.nodes}
         self.never_cast_down = {n for n in self.graph.nodes if n.op == "placeholder" and n.name in fp32_placeholders}
-        for node in self.graph.nodes:  # Gemma's `self.weight.float()`: in eager code the weight itself, not a copy
-            if self._no_op_alias(node) and node.args[0] in self.never_cast_down:
-                self.never_cast_down.add(node)
+        if self.never_cast_down:  # O2's norm parameters: nothing to look for in an O1 graph
+            for node in self.graph.nodes:  # Gemma's `self.weight.float()`: in eager code the weight itself, not a copy
+                if self._no_op_alias(node) and node.args[0] in self.never_cast_down:
+                    self.never_cast_down.add(node)
         self.casts: dict[tuple[Node, torch.dtype], Node] = {}
         self.cast_source: dict[Node, Node] = {}
         self.recast_reshapes: list[Node] = []  # reshapes remade on a cast of their input (_reshape_of_cast)

@@ -21,8 +21,8 @@ def cast_target(decision: str, level: str, low: torch.dtype, deciding: list[torc
         decision: the op's Decision (white, black, gray, unlisted; any other leaves the inputs alone).
         level: "O1" or "O2" (O2 runs gray and unlisted ops low too).
         low: the lists' low-precision dtype.
-        deciding: the dtypes of the floating inputs that decide a gray op (its 0-dim tensors do not, as in torch's
-            type promotion, unless it has no other).
+        deciding: the dtypes of the floating inputs that decide a gray op (those `decides_dtype` accepts, unless
+            it has no other).
     """
     if decision == WHITE or (level == "O2" and decision in _FOLLOWS_INPUTS):
         return low
@@ -39,5 +39,7 @@ def decides_dtype(value: torch.Tensor) -> bool:
     nor one with no elements, which holds no values to keep in FP32. HF's KV cache starts as
     `torch.tensor([], dtype=keys.dtype)`: an FP32 trace freezes that dtype as float32, and its `cat` with the low
     keys would promote the whole cache."""
-    numel = value.numel()
-    return value.dim() > 0 and not (isinstance(numel, int) and numel == 0)  # a symbolic size may be anything
+    if value.dim() == 0:
+        return False
+    numel = value.numel()  # asked only past the 0-dim test: auto_cast asks this of every gray op's inputs
+    return not (isinstance(numel, int) and numel == 0)  # a symbolic size may be anything
