@@ -266,6 +266,19 @@ def test_a_gradient_that_overflows_is_found_in_backward(fp16):
     assert culprit is not None and culprit.grad_nonfinite and culprit.runs_in == "float16"
 
 
+def test_steps_keep_a_figure_no_step_could_measure_as_not_measured(fp16):
+    torch.manual_seed(0)
+    model = one_layer_gpt2()
+
+    # Every gradient overflows at this scale: no step has a finite entry to measure a parameter's largest by.
+    report = graphamp.doctor(model, (), gpt2_batch(1, 8), amp_lists=fp16, loss_scaling=2.0**40, steps=2)
+
+    assert report.parameters and all(p.grad_nonfinite for p in report.parameters)
+    unmeasured = [p for p in report.parameters if p.grad_max_abs is None]
+    assert unmeasured  # they stay "not measured" after the merge, not a largest |gradient| of -1
+    assert all(p.grad_max_abs >= 0 for p in report.parameters if p.grad_max_abs is not None)
+
+
 def test_doctor_leaves_the_model_as_it_was(bf16):
     torch.manual_seed(0)
     model = SmallResNet().train()

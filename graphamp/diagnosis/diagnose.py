@@ -22,7 +22,7 @@ from graphamp.diagnosis.list_writer import write_lists
 from graphamp.policy.dtypes import dtype_name
 from graphamp.errors import ArgumentError
 from graphamp.policy.lists import AutoMixedPrecisionLists
-from graphamp.diagnosis.numerics import floating_leaves, ranked, relative_error
+from graphamp.diagnosis.numerics import floating_leaves, ranked, relative_error, worst
 from graphamp.diagnosis.probe import NodeNumerics, Probe
 from graphamp.diagnosis.suggestions import (
     BLACK_MODULE, WHITE_OP, Suggestion, accuracy_and_speed, fixes_for_nonfinite, lists_with, measured_on_the_loss,
@@ -218,15 +218,14 @@ def _merge(report: DoctorReport, comparison, reference) -> None:
     for first in ("first_nonfinite", "first_nonfinite_grad"):  # the report's own record of the node, by name
         if getattr(report, first) is None and getattr(comparison, first) is not None:
             setattr(report, first, by_name.get(getattr(comparison, first).name))
-    if comparison.output_error is not None:
-        report.output_error = max(ranked(report.output_error), comparison.output_error)
+    report.output_error = worst(report.output_error, comparison.output_error)
     later = {p.name: p for p in _parameters(comparison.parameter_grads, reference.parameter_grads)}
     for mine in report.parameters:  # by name: each step ranks them worst first, and the ranking can change
         theirs = later.get(mine.name)
         if theirs is None:
             continue
-        mine.grad_error = max(ranked(mine.grad_error), ranked(theirs.grad_error))
-        mine.grad_max_abs = max(ranked(mine.grad_max_abs), ranked(theirs.grad_max_abs))
+        mine.grad_error = worst(mine.grad_error, theirs.grad_error)
+        mine.grad_max_abs = worst(mine.grad_max_abs, theirs.grad_max_abs)
         mine.grad_nonfinite |= theirs.grad_nonfinite
     report.parameters.sort(key=lambda p: ranked(p.grad_error), reverse=True)
 

@@ -68,6 +68,13 @@ def range_in(reference, dtype: torch.dtype) -> tuple[float | None, float, float]
     return max_abs, overflow / count, underflow / count
 
 
+def worst(a: float | None, b: float | None) -> float | None:
+    """The worse of two figures of one measure: NaN above any number, None (not measured) below."""
+    if a is None or b is None:
+        return b if a is None else a
+    return a if math.isnan(a) else b if math.isnan(b) else max(a, b)
+
+
 def ranked(value: float | None) -> float:
     """A figure for ranking the worst first: None (not measured) as -1 and NaN as inf."""
     if value is None:

@@ -28,7 +28,7 @@ from graphamp.policy.dtypes import dtype_name
 from graphamp.errors import RewriteError
 from graphamp.policy.lists import BLACK, GRAY, WHITE, AutoMixedPrecisionLists, Decision, op_lookup_keys
 from graphamp.policy.config import AmpConfig
-from graphamp.diagnosis.numerics import floating_leaves, nonfinite_where_finite, range_in, relative_error
+from graphamp.diagnosis.numerics import floating_leaves, nonfinite_where_finite, range_in, relative_error, worst
 from graphamp.torch_private import HigherOrderOperator, OpOverload, pytree
 
 __all__ = ["Comparison", "NodeNumerics", "Probe", "Reference", "by_list_entry"]
@@ -63,8 +63,7 @@ class NodeNumerics:
     def merge(self, other: NodeNumerics) -> None:
         """Keep the worst of two steps' figures."""
         for name in ("max_abs", "overflow", "underflow", "error", "local_error", "low_error", "grad_error"):
-            mine, theirs = getattr(self, name), getattr(other, name)
-            setattr(self, name, theirs if mine is None else mine if theirs is None else _worst(mine, theirs))
+            setattr(self, name, worst(getattr(self, name), getattr(other, name)))
         self.nonfinite |= other.nonfinite
         self.grad_nonfinite |= other.grad_nonfinite
 
@@ -357,8 +356,7 @@ def _compare_grad(grad, key, record, reference, loss_scaling, grad_order) -> Non
     """A gradient hook of the rewritten run: measure the gradient against FP32's and note the first inf/NaN."""
     unscaled = grad.detach() / loss_scaling
     expected = reference.grads[key]
-    error = relative_error(unscaled, expected)
-    record.grad_error = error if record.grad_error is None or error is None else _worst(record.grad_error, error)
+    record.grad_error = worst(record.grad_error, relative_error(unscaled, expected))
     if nonfinite_where_finite(unscaled, expected):
         record.grad_nonfinite = True
     grad_order.append(record)
@@ -367,7 +365,3 @@ def _compare_grad(grad, key, record, reference, loss_scaling, grad_order) -> Non
 def _scalar_loss(outputs) -> torch.Tensor | None:
     """The model's loss: its first scalar floating output (transformers' `.loss`)."""
     return next((t for t in floating_leaves(outputs) if t.dim() == 0), None)
-
-
-def _worst(a: float, b: float) -> float:
-    return a if math.isnan(a) else b if math.isnan(b) else max(a, b)

@@ -207,8 +207,8 @@ class AutoMixedPrecisionLists:
         }
         self._apply_custom_lists(self.custom_lists, unregistered)
         warn_unregistered(unregistered)
-        self.black_modules = self._read_black_modules(custom_black_modules)
         self.custom_black_modules = tuple(_as_names(custom_black_modules, "custom_black_modules"))
+        self.black_modules = self._read_black_modules(self.custom_black_modules)
         self.promote_ops = self._read_promote_ops()
 
     # -- reading -------------------------------------------------------------------------------------------
@@ -255,7 +255,7 @@ class AutoMixedPrecisionLists:
     def _read_black_modules(self, custom_black_modules) -> tuple[ListEntry, ...]:
         path = self.lists_dir / BLACK_MODULES_FILE
         listed = read_list_file(path, self.dtype, self._display(path)) if path.exists() else []
-        custom = [(p, f"custom_black_modules: {p}") for p in _as_names(custom_black_modules, "custom_black_modules")]
+        custom = [(p, f"custom_black_modules: {p}") for p in custom_black_modules]
         patterns = tuple(ListEntry(name, BLACK, where) for name, where in [*listed, *custom])
         for pattern in patterns:
             check_module_pattern(pattern.name, pattern.source)
