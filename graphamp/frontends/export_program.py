@@ -20,6 +20,7 @@ from torch.export.graph_signature import TensorArgument
 from graphamp.errors import CaptureError
 from graphamp.frontends.compile_backend import refuse_outer_autocast
 from graphamp.frontends.dynamic_dims import automatic_dynamic_dims, sizes_from_one
+from graphamp.frontends.device_moves import DeviceMovesAsRun
 from graphamp.frontends.type_promotion import PromoteMixedInputs
 from graphamp.passes import run_passes
 from graphamp.passes.marks import mark_of
@@ -92,7 +93,7 @@ def capture_program(
         # Grad mode is fixed so that one program serves calls under no_grad/inference_mode too.
         dims = automatic_dynamic_dims((args, kwargs)) if dynamic else contextlib.nullcontext()
         with torch.inference_mode(False), torch.enable_grad(), warnings.catch_warnings(), dims, \
-                PromoteMixedInputs(promote_ops), global_module_hooks_removed_on_failure():
+                PromoteMixedInputs(promote_ops), DeviceMovesAsRun(), global_module_hooks_removed_on_failure():
             # nn.RNN keeps a Python list of its own parameters; export flags it, but they are parameters.
             warnings.filterwarnings("ignore", message=r"The tensor attributes self\..*_flat_weights")
             program = torch.export.export(model, tuple(args), kwargs, strict=False)

@@ -16,6 +16,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from graphamp.errors import CaptureError
+from graphamp.frontends.device_moves import move_without_a_dtype
 from graphamp.frontends.low_storage import LowStorageTensor, example_of_storage
 from graphamp.passes.cast_pass import INPUT_UPCAST
 from graphamp.torch_private import (
@@ -65,12 +66,18 @@ def to_aten(gm: GraphModule, example_inputs: list, index: int = 0) -> tuple[Grap
 
 
 class _Lowering(torch.fx.Interpreter):
-    """Runs dynamo's graph node by node under make_fx; a custom autograd.Function is traced as one node."""
+    """Runs dynamo's graph node by node under make_fx; a custom autograd.Function is traced as one node, and a
+    `.to()` that names no dtype as a move that keeps its dtype open (device_moves.py)."""
 
     def call_function(self, target, args, kwargs):
         if target is _AUTOGRAD_FUNCTION:
             return _trace_autograd_function(*args, **kwargs)
         return super().call_function(target, args, kwargs)
+
+    def call_method(self, target, args, kwargs):
+        if target in ("to", "cpu", "cuda") and (moved := move_without_a_dtype(target, args, kwargs)) is not None:
+            return moved
+        return super().call_method(target, args, kwargs)
 
 
 def _trace_autograd_function(forward: GraphModule, backward: GraphModule, *args, **kwargs):
