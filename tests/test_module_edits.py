@@ -149,6 +149,21 @@ def test_half_precision_parameters_after_rewrite_are_refused(bf16, convert):
         model(x.to(next(model.fc1.parameters()).dtype))
 
 
+@pytest.mark.parametrize("convert", [
+    pytest.param(lambda m: m.half(), id="float16_under_bfloat16_lists"),
+    pytest.param(lambda m: m.to(torch.bfloat16), id="bfloat16"),
+])
+def test_half_precision_parameters_are_refused_before_the_new_graph_runs(bf16, convert):
+    """A LayerNorm's parameters stay uncast in the graph: its kernel would fail on a float32 batch with float16
+    parameters before any check after the call."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 2)), torch.randn(2, 8)
+    graphamp.rewrite(model, (x,), amp_lists=bf16)
+    convert(model)
+    with pytest.raises(graphamp.ArgumentError, match=r"parameter '0\.weight' is .* FP32 master weights"):
+        model(x)
+
+
 def test_lora_merge_and_unload_after_rewrite_gives_eager_logits(bf16):
     peft = pytest.importorskip("peft")
     model, x = model_and_batch()

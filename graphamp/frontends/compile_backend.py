@@ -23,7 +23,8 @@ from graphamp.frontends.low_storage import LowStorageTensor, graph_inputs, prese
 from graphamp.frontends.module_paths import ModulePaths
 from graphamp.passes import run_passes
 from graphamp.passes.cast_pass import RewriteReport
-from graphamp.policy.config import AmpConfig
+from graphamp.policy.config import AmpConfig, refuse_half_parameters
+from graphamp.policy.dtypes import HALF_DTYPES
 from graphamp.policy.lists import AutoMixedPrecisionLists
 from graphamp.torch_private import (
     ENTER_AUTOCAST, EXIT_AUTOCAST, compile_with_inductor, generate_code_now, set_dynamo_config, torch_function_off,
@@ -98,6 +99,7 @@ class AmpBackend:
         self.graph_runs = 0  # every run of every graph: rewrite() tells a call that ran none of them
         self._link = None  # () -> the linked GraphRunner, or None
         self._module_paths = ModulePaths(config.lists, model)
+        self._model = weakref.ref(model) if model is not None else None  # to name a parameter; not kept alive
         configure_dynamo()
 
     @property
@@ -161,9 +163,19 @@ class AmpBackend:
         with policy_lifted():  # lowering and inductor trace the graph as dynamo captured it, never cast eagerly
             return self._compile(gm, example_inputs, mode, options)
 
+    def _refuse_half_parameters(self, example_inputs: list) -> None:
+        """Dynamo guards on a parameter's dtype: a model cast by `.half()` after its conversion compiles anew, and
+        the graph must not run (its kernels would fail on the mixed dtypes, or train without master weights)."""
+        half = [v for v in example_inputs if isinstance(v, torch.nn.Parameter) and v.dtype in HALF_DTYPES]
+        if half:
+            model = self._model() if self._model is not None else None
+            names = {id(p): name for name, p in model.named_parameters()} if model is not None else {}
+            refuse_half_parameters((names.get(id(p), f"<one of shape {tuple(p.shape)}>"), p) for p in half)
+
     def _compile(self, gm: GraphModule, example_inputs: list, mode: str | None, options: dict | None):
         refuse_outer_autocast(example_inputs, "graphamp was asked to compile a graph")
         refuse_autocast_inside(gm)
+        self._refuse_half_parameters(example_inputs)
         timings = {}
         start = time.perf_counter()
         aten_graph, traced_inputs = to_aten(gm, example_inputs, len(self.graphs))

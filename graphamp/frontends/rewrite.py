@@ -28,11 +28,11 @@ from torch import nn
 from graphamp.errors import ArgumentError, GraphampError
 from graphamp.frontends.compile_backend import GRAPHAMP_OPTIONS, AmpBackend, BackendGraph, refuse_outer_autocast
 from graphamp.frontends.eager_policy import EagerPolicy, ModelFacts, rules_for
-from graphamp.policy.config import AmpConfig, check_entry_arguments, check_master_weights
+from graphamp.policy.config import AmpConfig, check_entry_arguments
 from graphamp.torch_private import (
     BackendCompilerFailed, call_module_with_hooks, composable_apis_on, dispatch_mode_makes_dynamo_run_eagerly,
-    dynamo_traces_hook_table_subclasses, exporting_elsewhere_for_graphamp, global_module_hooks, module_buffers,
-    recompile_limit,
+    dynamo_traces_hook_table_subclasses, exporting_elsewhere_for_graphamp, global_module_hooks, inductor_modes,
+    module_buffers, recompile_limit,
 )
 
 __all__ = ["AmpState", "amp_states", "is_rewritten", "rewrite", "rewritten_graphs", "rewritten_models"]
@@ -117,6 +117,13 @@ def rewrite(
         )
     if mode is not None and not compile:
         raise ArgumentError(f"mode={mode!r} is inductor's: pass compile=True with it.")
+    if mode is not None and mode not in inductor_modes():
+        raise ArgumentError(f"mode={mode!r} is not one of torch.compile's modes: use one of {', '.join(inductor_modes())}.")
+    if mode is not None and options:
+        raise ArgumentError(
+            f"mode={mode!r} and options= both set inductor's settings, which torch.compile refuses: pass one (a mode's "
+            f"settings are listed by torch._inductor.list_mode_options({mode!r}))."
+        )
     example_args, example_kwargs, config = check_entry_arguments(
         "rewrite", model, example_args, example_kwargs, amp_lists, level, compile
     )
@@ -227,7 +234,6 @@ class AmpState:
                 stacklevel=4,
             )
         if len(backend.graphs) != compiled_before:
-            check_master_weights(self.model)  # a parameter's dtype is guarded on: `.half()` since makes new graphs
             self.model_facts = ModelFacts(self.model, self.config)  # a module swap recompiles: see the new modules
 
     def __getstate__(self) -> dict:

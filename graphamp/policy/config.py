@@ -17,6 +17,7 @@ from graphamp.torch_private import NormBase
 
 __all__ = [
     "LEVELS", "AmpConfig", "check_entry_arguments", "check_level", "check_master_weights", "is_normalization_module",
+    "refuse_half_parameters",
 ]
 
 # O1: the lists decide each op. O2: every op but the black ones runs low, normalization parameters stay FP32.
@@ -101,7 +102,12 @@ def check_entry_arguments(
 
 def check_master_weights(model: nn.Module) -> None:
     """FP32 parameters are the master weights: a model already cast to half precision has none."""
-    for name, parameter in model.named_parameters():
+    refuse_half_parameters(model.named_parameters())
+
+
+def refuse_half_parameters(named_parameters) -> None:
+    """ArgumentError naming the first of these (name, parameter) pairs that is float16 or bfloat16."""
+    for name, parameter in named_parameters:
         if parameter.dtype in HALF_DTYPES:
             raise ArgumentError(
                 f"parameter '{name}' is {dtype_name(parameter.dtype)}: graphamp keeps FP32 master weights and casts "
