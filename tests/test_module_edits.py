@@ -151,7 +151,9 @@ def test_half_precision_parameters_after_rewrite_are_refused(bf16, convert):
 
 @pytest.mark.parametrize("convert", [
     pytest.param(lambda m: m.half(), id="float16_under_bfloat16_lists"),
-    pytest.param(lambda m: m.to(torch.bfloat16), id="bfloat16"),
+    pytest.param(lambda m: m.to(torch.bfloat16), id="bfloat16", marks=pytest.mark.skipif(
+        TORCH_BEFORE_2_13, reason="torch 2.11's dynamo guards no parameter dtype of an nn.Sequential: the old graph "
+        "runs, its casts take the bfloat16 weights, and no kernel fails")),
 ])
 def test_half_precision_parameters_are_refused_before_the_new_graph_runs(bf16, convert):
     """A LayerNorm's parameters stay uncast in the graph: its kernel would fail on a float32 batch with float16

@@ -28,7 +28,7 @@ from torch import nn
 from graphamp.errors import ArgumentError, GraphampError
 from graphamp.frontends.compile_backend import GRAPHAMP_OPTIONS, AmpBackend, BackendGraph, refuse_outer_autocast
 from graphamp.frontends.eager_policy import EagerPolicy, ModelFacts, rules_for
-from graphamp.policy.config import AmpConfig, check_entry_arguments
+from graphamp.policy.config import AmpConfig, check_entry_arguments, check_master_weights
 from graphamp.torch_private import (
     BackendCompilerFailed, call_module_with_hooks, composable_apis_on, dispatch_mode_makes_dynamo_run_eagerly,
     dynamo_traces_hook_table_subclasses, exporting_elsewhere_for_graphamp, global_module_hooks, inductor_modes,
@@ -282,6 +282,9 @@ class _AmpCall:
             if isinstance(inner, GraphampError):  # graphamp's own error, typed, not dynamo's wrapper of it
                 inner.__suppress_context__ = True
                 raise inner
+            raise
+        except RuntimeError:  # torch 2.11 guards no parameter dtype on some modules: a kernel met a `.half()` weight
+            check_master_weights(state.model)
             raise
         return result
 
