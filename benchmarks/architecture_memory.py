@@ -48,6 +48,10 @@ def configs() -> dict:
                              num_attention_heads=HEADS, word_embed_proj_dim=WIDTH), hf.AutoModelForCausalLM),
         "t5": (hf.T5Config(vocab_size=VOCAB, d_model=WIDTH, d_ff=2 * WIDTH, num_layers=LAYERS, num_heads=HEADS,
                            d_kv=WIDTH // HEADS, decoder_start_token_id=0), hf.AutoModelForSeq2SeqLM),
+        # speech: a CTC head over the frames of 1 s of 16 kHz audio
+        "wav2vec2": (hf.Wav2Vec2Config(vocab_size=32, hidden_size=WIDTH, intermediate_size=2 * WIDTH,
+                                       num_hidden_layers=LAYERS, num_attention_heads=HEADS, conv_dim=(WIDTH,) * 7,
+                                       pad_token_id=0), hf.AutoModelForCTC),
     }
 
 
@@ -56,21 +60,26 @@ def measure(name: str, style: str) -> dict:
     torch.manual_seed(0)
     config, auto = configs()[name]
     model = auto.from_config(config).train()
-    ids = torch.randint(1, VOCAB, (BATCH, SEQUENCE))
+    if name == "wav2vec2":
+        labels = torch.randint(1, config.vocab_size, (BATCH, SEQUENCE // 4))
+        batch = {"input_values": torch.randn(BATCH, 16000), "labels": labels}
+        logits_only = {"input_values": batch["input_values"]}
+    else:
+        ids = torch.randint(1, VOCAB, (BATCH, SEQUENCE))
+        batch = {"input_ids": ids, "labels": ids.clone()}
+        logits_only = {"input_ids": ids, **({"decoder_input_ids": ids} if name == "t5" else {})}
     result = {"model": name, "style": style}
     for mode in ("autocast+compile", "graphamp+compile"):
         torch._dynamo.reset()
-        result[mode] = _step_mib(copy.deepcopy(model), mode, style, ids, name == "t5")
+        result[mode] = _step_mib(copy.deepcopy(model), mode, style, batch, logits_only)
         gc.collect()  # the mode's model and optimizer state are gone before the next is counted
     return result
 
 
-def _step_mib(model, mode: str, style: str, ids: torch.Tensor, encoder_decoder: bool) -> float:
+def _step_mib(model, mode: str, style: str, batch: dict, logits_only: dict) -> float:
     import graphamp
     from tensor_memory import peak_tensor_bytes
 
-    batch = {"input_ids": ids, "labels": ids.clone()}
-    logits_only = {"input_ids": ids, **({"decoder_input_ids": ids} if encoder_decoder else {})}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     if mode == "graphamp+compile":
         lists = graphamp.AutoMixedPrecisionLists(dtype="bfloat16")
@@ -83,8 +92,10 @@ def _step_mib(model, mode: str, style: str, ids: torch.Tensor, encoder_decoder: 
     def step():
         with region():
             if style == "own":
-                logits = net(**logits_only).logits
-                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids.flatten())
+                logits = net(**logits_only).logits  # a class per token (per audio frame: random ones)
+                seeded = torch.Generator().manual_seed(0)
+                targets = torch.randint(1, logits.shape[-1], logits.shape[:-1], generator=seeded)
+                loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
             elif style == "loss":
                 loss = net(**batch).loss  # the output is dropped at once
             else:
