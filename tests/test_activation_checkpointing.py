@@ -90,6 +90,49 @@ def test_torch_checkpoint_in_forward_saves_what_autocast_saves(bf16, use_reentra
     assert matmul_dtypes(model) == [torch.bfloat16] * 6
 
 
+class DropoutBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.dropout, self.fc2 = nn.Linear(32, 32), nn.Dropout(0.5), nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.fc2(self.dropout(torch.relu(self.fc1(x))))
+
+
+class CheckpointedDropout(nn.Module):
+    def __init__(self, use_reentrant):
+        super().__init__()
+        self.block, self.head, self.use_reentrant = DropoutBlock(), nn.Linear(32, 1), use_reentrant
+
+    def forward(self, x):
+        if self.use_reentrant is None:
+            return self.head(self.block(x)).square().mean()
+        h = torch_checkpoint.checkpoint(self.block, x, use_reentrant=self.use_reentrant)
+        return self.head(h).square().mean()
+
+
+@pytest.mark.parametrize("checkpointing", ["use_reentrant=False", "use_reentrant=True", "rewrite(checkpoint=...)"])
+def test_dropout_in_a_checkpointed_region_is_recomputed_with_its_forward_mask(bf16, checkpointing):
+    """Run as fx code, the region's recompute in backward draws the forward's dropout mask again (torch's own call
+    of the region turns preserve_rng_state off, for inductor): the gradients are autocast's with the same seed."""
+    torch.manual_seed(0)
+    by_pattern = checkpointing.startswith("rewrite")
+    model = CheckpointedDropout(None if by_pattern else checkpointing.endswith("True"))
+    eager = copy.deepcopy(model)
+    x = torch.randn(8, 32, requires_grad=True)
+    graphamp.rewrite(model, amp_lists=bf16, checkpoint="block" if by_pattern else None)
+    gradients = {}
+    for name, net, region in [("graphamp", model, torch.autocast("cpu", enabled=False)),
+                              ("autocast", eager, torch.autocast("cpu", torch.bfloat16))]:
+        torch.manual_seed(1)
+        with region:
+            loss = net(x)
+        loss.backward()
+        gradients[name] = [p.grad for p in net.parameters()]
+
+    assert all(relative_error(a, b) < 1e-2 for a, b in zip(gradients["graphamp"], gradients["autocast"]))
+
+
 def test_checkpoint_pattern_saves_what_autocast_saves_with_torch_checkpoint(bf16):
     model, x = stack_and_batch(None)
     checkpointed_twin, _ = stack_and_batch(False)  # the same weights, checkpointed by hand in eager

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+import torch.utils.checkpoint
 from torch.amp.autocast_mode import is_autocast_available
 from torch.fx import GraphModule
 
@@ -38,6 +39,7 @@ __all__ = [
 # The one link between the graphs and training: run one graph, `run(*args)`, with loss scaling inside, and return its
 # outputs. graphamp.training makes it (OptimizerWithMixedPrecision.run_graph_scaled); the backend only calls it.
 GraphRunner = Callable[[Callable, tuple], Any]
+_CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
 
 # torch.compile's options that are graphamp's, not inductor's (named_backend.py reads them; a rewritten model refuses
 # them in model.compile()).
@@ -191,8 +193,9 @@ class AmpBackend:
         if not self.inductor:
             # Its code as a function, not a module call: global module hooks (register_module_forward_hook) would
             # otherwise fire on graphamp's GraphModule, a module eager never calls.
-            generate_code_now(aten_graph)
-            return self._runner(graph, aten_graph.forward, reuse_check)
+            runnable = _checkpoints_keeping_the_random_state(aten_graph)
+            generate_code_now(runnable)
+            return self._runner(graph, runnable.forward, reuse_check)
         start = time.perf_counter()
         # Another graph's low outputs go in as their storage, faked as to_aten traced them (their sizes are the inputs')
         inputs = [traced if isinstance(v, LowStorageTensor) else v for v, traced in zip(example_inputs, traced_inputs)]
@@ -233,6 +236,30 @@ class AmpBackend:
             f"graphamp.backend(dtype={self.amp_lists.dtype_name}, level={self.level}, inductor={self.inductor}, "
             f"graphs={len(self.graphs)})"
         )
+
+
+def _checkpoints_keeping_the_random_state(graph_module: GraphModule) -> GraphModule:
+    """What runs as fx code. The tag_activation_checkpoint op calls torch.utils.checkpoint with preserve_rng_state
+    off (inductor functionalizes the random state; fx code has no one to), so backward's recompute drew other dropout
+    masks than the forward and the gradients were wrong: a copy of the graph calls torch.utils.checkpoint as eager
+    code does, and the graph itself stays as the pass left it, for inspection."""
+    if not graph_module.graph.find_nodes(op="call_function", target=_CHECKPOINT):
+        return graph_module
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(graph_module.graph, {}))
+    for node in graph.find_nodes(op="call_function", target=_CHECKPOINT):
+        node.target = checkpointed_region
+    return GraphModule(graph_module, graph)
+
+
+def checkpointed_region(body: GraphModule, *args, **kwargs):
+    """A checkpointed region of a rewritten graph, run by torch.utils.checkpoint with the random state kept (unless
+    the model asked otherwise) and the region's selective-checkpoint policy, if it has one."""
+    options = {**kwargs, "use_reentrant": False, "preserve_rng_state": kwargs.get("preserve_rng_state", True)}
+    if "_checkpoint_context_fn" in body.meta:
+        options["context_fn"] = body.meta["_checkpoint_context_fn"]
+    generate_code_now(body)  # its code as a function: a module call would fire global module hooks
+    return torch.utils.checkpoint.checkpoint(body.forward, *args, **options)
 
 
 def _presented(outputs, kept_low: list[int]):
