@@ -507,6 +507,21 @@ def test_calls_past_dynamos_recompile_limit_run_low_and_say_why_once(bf16):
     assert len(eager) == 1 and "recompile_limit" in eager[0] and "dynamic=True" in eager[0]
 
 
+def test_a_model_dynamo_compiles_no_graph_of_runs_low_and_the_warning_names_the_graph_break(bf16):
+    """BatchNorm with momentum=None reads `float(num_batches_tracked)` inside nn.Sequential's loop: dynamo cannot
+    resume there and runs every call eagerly, before any graph exists, so no recompile limit is involved."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16, momentum=None), nn.Linear(16, 4))
+    graphamp.rewrite(model, amp_lists=bf16)
+    with pytest.warns(UserWarning, match="ran none of graphamp's graphs") as caught:
+        with CompiledCodeRecorder() as recorder:
+            model(torch.randn(4, 8))
+    assert low_and_fp32(recorder) == (2, 0)
+    eager = [str(w.message) for w in caught if "ran none of graphamp's graphs" in str(w.message)]
+    assert len(eager) == 1 and "graph break" in eager[0] and "TORCH_LOGS=graph_breaks" in eager[0]
+    assert "recompile_limit" not in eager[0]
+
+
 def test_a_bare_backend_past_the_recompile_limit_runs_low_under_auto_cast(bf16):
     compiled = torch.compile(Head(), backend=graphamp.backend(bf16, inductor=False), dynamic=False)
     for batch in range(1, torch._dynamo.config.recompile_limit + 4):

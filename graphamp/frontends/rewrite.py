@@ -223,16 +223,21 @@ class AmpState:
         backend = self.backend
         if backend.graph_runs == graph_runs_before and not self.warned_eager_call:
             self.warned_eager_call = True
-            warnings.warn(
-                f"graphamp: this call of {type(self.model).__name__} ran none of graphamp's graphs: dynamo ran its code "
-                f"eagerly, which graphamp's eager policy ran in mixed precision by the lists, at eager speed. The "
-                f"usual cause is dynamo's recompile limit (torch._dynamo.config.recompile_limit="
-                f"{recompile_limit()}), reached by as many input signatures: new shapes with "
-                f"dynamic=False, or a Python argument taking many values; another thread compiling the model at "
-                f"the same time is the other. Fix: rewrite(..., dynamic=True) (one graph for every size), keep "
-                f"Python arguments fixed, or raise the limit; TORCH_LOGS=recompiles shows why it recompiled.",
-                stacklevel=4,
-            )
+            ran = (f"graphamp: this call of {type(self.model).__name__} ran none of graphamp's graphs: dynamo ran its "
+                   f"code eagerly, which graphamp's eager policy ran in mixed precision by the lists, at eager speed.")
+            if not backend.graphs:  # nothing compiled yet: no recompile limit to reach
+                why = ("Dynamo has compiled no graph of it yet: a graph break it cannot resume from (`.item()` or "
+                       "`float(tensor)` inside a module that nn.Sequential or a loop calls, as BatchNorm with "
+                       "momentum=None does) runs the whole call eagerly; another thread compiling the model at the "
+                       "same time is the other cause. TORCH_LOGS=graph_breaks names the break: code dynamo can trace "
+                       "there lets the model compile; until then each call runs eagerly, mixed precision all the same.")
+            else:
+                why = (f"The usual cause is dynamo's recompile limit (torch._dynamo.config.recompile_limit="
+                       f"{recompile_limit()}), reached by as many input signatures: new shapes with dynamic=False, "
+                       f"or a Python argument taking many values; another thread compiling the model at the same "
+                       f"time is the other. Fix: rewrite(..., dynamic=True) (one graph for every size), keep Python "
+                       f"arguments fixed, or raise the limit; TORCH_LOGS=recompiles shows why it recompiled.")
+            warnings.warn(f"{ran} {why}", stacklevel=4)
         if len(backend.graphs) != compiled_before:
             self.model_facts = ModelFacts(self.model, self.config)  # a module swap recompiles: see the new modules
 
