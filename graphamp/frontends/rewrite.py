@@ -118,7 +118,8 @@ def rewrite(
     if mode is not None and not compile:
         raise ArgumentError(f"mode={mode!r} is inductor's: pass compile=True with it.")
     if mode is not None and mode not in inductor_modes():
-        raise ArgumentError(f"mode={mode!r} is not one of torch.compile's modes: use one of {', '.join(inductor_modes())}.")
+        modes = ", ".join(inductor_modes())
+        raise ArgumentError(f"mode={mode!r} is not one of torch.compile's modes: use one of {modes}.")
     if mode is not None and options:
         raise ArgumentError(
             f"mode={mode!r} and options= both set inductor's settings, which torch.compile refuses: pass one (a mode's "
