@@ -99,10 +99,21 @@ class DropoutBlock(nn.Module):
         return self.fc2(self.dropout(torch.relu(self.fc1(x))))
 
 
-class CheckpointedDropout(nn.Module):
-    def __init__(self, use_reentrant):
+class NestedCheckpoints(nn.Module):
+    """A checkpointed region holding another, with dropout in both."""
+
+    def __init__(self):
         super().__init__()
-        self.block, self.head, self.use_reentrant = DropoutBlock(), nn.Linear(32, 1), use_reentrant
+        self.inner, self.fc, self.dropout = DropoutBlock(), nn.Linear(32, 32), nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.fc(self.dropout(torch_checkpoint.checkpoint(self.inner, x, use_reentrant=False)))
+
+
+class CheckpointedDropout(nn.Module):
+    def __init__(self, use_reentrant, block=DropoutBlock):
+        super().__init__()
+        self.block, self.head, self.use_reentrant = block(), nn.Linear(32, 1), use_reentrant
 
     def forward(self, x):
         if self.use_reentrant is None:
@@ -111,13 +122,17 @@ class CheckpointedDropout(nn.Module):
         return self.head(h).square().mean()
 
 
-@pytest.mark.parametrize("checkpointing", ["use_reentrant=False", "use_reentrant=True", "rewrite(checkpoint=...)"])
+@pytest.mark.parametrize("checkpointing", ["use_reentrant=False", "use_reentrant=True", "rewrite(checkpoint=...)",
+                                           "nested"])
 def test_dropout_in_a_checkpointed_region_is_recomputed_with_its_forward_mask(bf16, checkpointing):
     """Run as fx code, the region's recompute in backward draws the forward's dropout mask again (torch's own call
     of the region turns preserve_rng_state off, for inductor): the gradients are autocast's with the same seed."""
     torch.manual_seed(0)
     by_pattern = checkpointing.startswith("rewrite")
-    model = CheckpointedDropout(None if by_pattern else checkpointing.endswith("True"))
+    if checkpointing == "nested":
+        model = CheckpointedDropout(False, NestedCheckpoints)
+    else:
+        model = CheckpointedDropout(None if by_pattern else checkpointing.endswith("True"))
     eager = copy.deepcopy(model)
     x = torch.randn(8, 32, requires_grad=True)
     graphamp.rewrite(model, amp_lists=bf16, checkpoint="block" if by_pattern else None)

@@ -40,6 +40,7 @@ __all__ = [
 # outputs. graphamp.training makes it (OptimizerWithMixedPrecision.run_graph_scaled); the backend only calls it.
 GraphRunner = Callable[[Callable, tuple], Any]
 _CHECKPOINT = torch.ops.higher_order.tag_activation_checkpoint
+_RUNNABLE = "graphamp_runnable"  # a checkpointed body's meta: the copy of it that runs (checkpointed_region)
 
 # torch.compile's options that are graphamp's, not inductor's (named_backend.py reads them; a rewritten model refuses
 # them in model.compile()).
@@ -258,8 +259,11 @@ def checkpointed_region(body: GraphModule, *args, **kwargs):
     options = {**kwargs, "use_reentrant": False, "preserve_rng_state": kwargs.get("preserve_rng_state", True)}
     if "_checkpoint_context_fn" in body.meta:
         options["context_fn"] = body.meta["_checkpoint_context_fn"]
-    generate_code_now(body)  # its code as a function: a module call would fire global module hooks
-    return torch.utils.checkpoint.checkpoint(body.forward, *args, **options)
+    runnable = body.meta.get(_RUNNABLE)
+    if runnable is None:  # a nested region keeps its own random state too
+        runnable = body.meta[_RUNNABLE] = _checkpoints_keeping_the_random_state(body)
+    generate_code_now(runnable)  # its code as a function: a module call would fire global module hooks
+    return torch.utils.checkpoint.checkpoint(runnable.forward, *args, **options)
 
 
 def _presented(outputs, kept_low: list[int]):

@@ -129,13 +129,17 @@ def _autocast_regions_as_higher_order_ops(aten_graph: GraphModule) -> GraphModul
 def _give_checkpoints_their_policy(gm: GraphModule) -> None:
     """Tracing a checkpointed region (dynamo's tag_activation_checkpoint) to pre-autograd ATen reads the body's
     `_checkpoint_context_fn`, which dynamo sets only when the user passed a context_fn (torch 2.13): give plain
-    checkpoints the policy torch itself gives them, recompute everything."""
+    checkpoints the policy torch itself gives them, recompute everything. Nested checkpoints too: a region's body
+    holds the inner ones."""
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     checkpoint_op = torch.ops.higher_order.tag_activation_checkpoint
-    for node in gm.graph.find_nodes(op="call_function", target=checkpoint_op):
-        body = getattr(gm, node.args[0].target)
-        default_checkpoint_context_fn(body, functools.partial(create_selective_checkpoint_contexts, _recompute_all))
+    for module in gm.modules():
+        if not isinstance(module, GraphModule):
+            continue
+        for node in module.graph.find_nodes(op="call_function", target=checkpoint_op):
+            body = getattr(module, node.args[0].target)
+            default_checkpoint_context_fn(body, functools.partial(create_selective_checkpoint_contexts, _recompute_all))
 
 
 def _recompute_all(ctx, op, *args, **kwargs):
