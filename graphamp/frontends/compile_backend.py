@@ -102,7 +102,6 @@ class AmpBackend:
         self.graph_runs = 0  # every run of every graph: rewrite() tells a call that ran none of them
         self._link = None  # () -> the linked GraphRunner, or None
         self._module_paths = ModulePaths(config.lists, model)
-        self._model = weakref.ref(model) if model is not None else None  # to name a parameter; not kept alive
         configure_dynamo()
 
     @property
@@ -169,11 +168,9 @@ class AmpBackend:
     def _refuse_half_parameters(self, example_inputs: list) -> None:
         """Dynamo guards on a parameter's dtype: a model cast by `.half()` after its conversion compiles anew, and
         the graph must not run (its kernels would fail on the mixed dtypes, or train without master weights)."""
-        half = [v for v in example_inputs if isinstance(v, torch.nn.Parameter) and v.dtype in HALF_DTYPES]
-        if half:
-            model = self._model() if self._model is not None else None
-            names = {id(p): name for name, p in model.named_parameters()} if model is not None else {}
-            refuse_half_parameters((names.get(id(p), f"<one of shape {tuple(p.shape)}>"), p) for p in half)
+        half = (v for v in example_inputs if isinstance(v, torch.nn.Parameter) and v.dtype in HALF_DTYPES)
+        paths = self._module_paths
+        refuse_half_parameters((paths.state_path(p) or f"<one of shape {tuple(p.shape)}>", p) for p in half)
 
     def _compile(self, gm: GraphModule, example_inputs: list, mode: str | None, options: dict | None):
         refuse_outer_autocast(example_inputs, "graphamp was asked to compile a graph")
@@ -262,7 +259,7 @@ def checkpointed_region(body: GraphModule, *args, **kwargs):
     runnable = body.meta.get(_RUNNABLE)
     if runnable is None:  # a nested region keeps its own random state too
         runnable = body.meta[_RUNNABLE] = _checkpoints_keeping_the_random_state(body)
-    generate_code_now(runnable)  # its code as a function: a module call would fire global module hooks
+        generate_code_now(runnable)  # its code as a function: a module call would fire global module hooks
     return torch.utils.checkpoint.checkpoint(runnable.forward, *args, **options)
 
 

@@ -91,6 +91,10 @@ class ModulePaths:
         if runs == 2 and not self._patterns_checked:
             self._warn_unmatched_patterns()
 
+    def state_path(self, tensor: torch.Tensor) -> str | None:
+        """A parameter's or buffer's path in the model; None where the model is not known or does not hold it."""
+        return _state_paths(self._model() if self._model is not None else None).get(id(tensor))
+
     def resolver(self, state: dict[str, str], inputs_by_placeholder: dict[str, object]):
         """A function from a graph path to a model path, for the graph whose state placeholders are `state`."""
         model_state = _state_paths(self._model()) if self._model is not None else {}

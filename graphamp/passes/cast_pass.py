@@ -198,8 +198,7 @@ class _CastPass:
         the input itself."""
         if node.op != "call_function" or node.target not in MODEL_CAST_OPS or node.target is aten._to_copy.default:
             return False
-        copies = next((a for a in op_schema(node.target).arguments if a.name == "copy"), None)
-        return (copies is None or not argument_value(node, copies)) and isinstance(node.args[0], Node) \
+        return not _copies(node) and isinstance(node.args[0], Node) \
             and self.traced_dtype.get(node) == self.traced_dtype.get(node.args[0])
 
     # -- deciding ------------------------------------------------------------------------------------------
