@@ -1,5 +1,7 @@
 """Number arguments beyond the low dtype's range (HF's `finfo(float32).min` as minus infinity) keep their meaning."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -64,3 +66,76 @@ def test_deberta_v2_runs_as_close_to_fp32_as_autocast(rewritten, bf16, seeded):
     amp = rewritten.convert(model, (), batch, amp_lists=bf16)
     error = relative_error(amp.run(**batch).last_hidden_state, expected)
     assert error <= 1.5 * autocast_error
+
+
+class MaskedWithAConstantTensor(nn.Module):
+    """Scores masked with `finfo(scores.dtype).min` made as a tensor, in the ways models write it. The FP32 trace
+    froze scores.dtype as float32; under autocast it is the low dtype, whose min is finite there."""
+
+    def __init__(self, spelling: str, fill: float | None = None):
+        super().__init__()
+        self.q, self.k, self.spelling, self.fill = nn.Linear(16, 16), nn.Linear(16, 16), spelling, fill
+
+    def forward(self, x, keep):
+        scores = self.q(x) @ self.k(x).transpose(-1, -2)
+        fill = torch.finfo(scores.dtype).min if self.fill is None else self.fill
+        if self.spelling == "where(torch.tensor)":  # ImageGPT's mask_value
+            scores = torch.where(keep, scores, torch.tensor(fill, dtype=scores.dtype))
+        elif self.spelling == "masked_fill(torch.tensor)":
+            scores = scores.masked_fill(~keep, torch.tensor(fill))
+        elif self.spelling == "where(full([]))":
+            scores = torch.where(keep, scores, torch.full([], fill, dtype=scores.dtype))
+        else:  # "index_put": scores[~keep] = min
+            scores = scores.clone()
+            scores[~keep] = fill
+        return scores.softmax(-1)
+
+
+def fully_masked_row():
+    keep = torch.ones(2, 8, 8, dtype=torch.bool)
+    keep[:, :, 5:] = False
+    keep[1, 2, :] = False  # a padding row: softmax of equal scores, 1/8 each
+    return torch.randn(2, 8, 16), keep
+
+
+SPELLINGS = ["where(torch.tensor)", "masked_fill(torch.tensor)", "where(full([]))", "index_put"]
+
+
+@pytest.mark.parametrize("spelling", SPELLINGS)
+def test_a_float32_min_tensor_cast_down_saturates_instead_of_becoming_minus_infinity(rewritten, bf16, spelling, seeded):
+    model, (x, keep) = MaskedWithAConstantTensor(spelling), fully_masked_row()
+    expected = model(x, keep)
+    with torch.autocast("cpu", torch.bfloat16):
+        autocast_error = relative_error(model(x, keep), expected)
+    amp = rewritten.convert(model, (x, keep), amp_lists=bf16)
+    with amp.recording() as rec:
+        out = amp.run(x, keep)
+    assert all(floating(call.in_dtypes) == {torch.bfloat16} for call in rec.calls_of("matmul", "bmm", "mm"))
+    assert not out.isnan().any()  # was NaN on the padding row: -3.4e38 is -inf in bfloat16
+    assert torch.equal(out[1, 2], torch.full((8,), 1 / 8))
+    assert relative_error(out, expected) <= 1.5 * autocast_error + 1e-3
+
+
+def test_a_constant_tensors_infinity_stays_infinite_as_in_fp32(rewritten, bf16, seeded):
+    model, (x, keep) = MaskedWithAConstantTensor("where(torch.tensor)", fill=float("-inf")), fully_masked_row()
+    amp = rewritten.convert(model, (x, keep), amp_lists=bf16)
+    assert model(x, keep)[1, 2].isnan().all() and amp.run(x, keep)[1, 2].isnan().all()
+
+
+def test_training_through_a_saturated_constant_gives_finite_gradients_as_close_to_fp32_as_autocasts(bf16, seeded):
+    model, (x, keep) = MaskedWithAConstantTensor("masked_fill(torch.tensor)"), fully_masked_row()
+    target = torch.randn(2, 8, 8)
+    fp32, autocast = copy.deepcopy(model), copy.deepcopy(model)
+    fp32(x, keep).sub(target).square().sum().backward()
+    with torch.autocast("cpu", torch.bfloat16):
+        autocast(x, keep).sub(target).square().sum().backward()
+    graphamp.rewrite(model, amp_lists=bf16)
+    loss = model(x, keep).sub(target).square().sum()
+    loss.backward()
+
+    def gradients(m):
+        return torch.cat([p.grad.flatten() for p in m.parameters()])
+
+    assert loss.isfinite() and gradients(model).isfinite().all()  # the masked fill's backward hid the NaN row
+    autocast_error = relative_error(gradients(autocast), gradients(fp32))
+    assert relative_error(gradients(model), gradients(fp32)) <= 1.5 * autocast_error + 1e-3

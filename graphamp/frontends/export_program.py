@@ -23,6 +23,7 @@ from graphamp.frontends.dynamic_dims import automatic_dynamic_dims, sizes_from_o
 from graphamp.frontends.device_moves import DeviceMovesAsRun
 from graphamp.frontends.type_promotion import PromoteMixedInputs
 from graphamp.passes import run_passes
+from graphamp.passes.number_range import CONSTANT_INPUT
 from graphamp.passes.marks import mark_of
 from graphamp.policy.config import check_entry_arguments
 from graphamp.torch_private import global_module_hooks_removed_on_failure, pytree
@@ -63,6 +64,9 @@ def rewrite_program(program: ExportedProgram, config) -> ExportedProgram:
     graph_module = program.graph_module
     graph_module.meta["graphamp_original_code"] = graph_module.print_readable(print_output=False)
     outputs_before = _output_names(graph_module)
+    for placeholder in graph_module.graph.find_nodes(op="placeholder"):  # constants the model made, lifted to inputs
+        if placeholder.name in program.graph_signature.inputs_to_lifted_tensor_constants:
+            placeholder.meta[CONSTANT_INPUT] = True
     report = run_passes(graph_module, config, frozenset(program.graph_signature.inputs_to_parameters))
     renamed = dict(zip(outputs_before, _output_names(graph_module)))
     for spec in program.graph_signature.output_specs:

@@ -7,7 +7,6 @@ the second casts by those marks. docs/how_it_works.md ("The passes") describes b
 from __future__ import annotations
 
 import logging
-import math
 import operator
 from contextlib import contextmanager, nullcontext
 from collections import Counter
@@ -19,6 +18,7 @@ from torch.fx.node import map_arg
 
 from graphamp.errors import RewriteError
 from graphamp.passes.marks import MARK, OpMark, mark_of
+from graphamp.passes.number_range import ConstantsBeyondRange, clamp_scalars_to_range
 from graphamp.policy.aten_ops import (
     FP32_ACCUMULATING_OPS, MODEL_CAST_OPS, NORM_OPS, RESHAPE_OPS, SAME_DTYPE_OPS, TRACE_ASSERTS, VIEW_OPS,
     argument_value, has_explicit_float_dtype, norm_parameter_inputs, set_argument, viewed_input, written_inputs,
@@ -141,6 +141,7 @@ class _CastPass:
         self.casts: dict[tuple[Node, torch.dtype], Node] = {}
         self.cast_source: dict[Node, Node] = {}
         self.recast_reshapes: list[Node] = []  # reshapes remade on a cast of their input (_reshape_of_cast)
+        self.constants = ConstantsBeyondRange(self.graph, self.low)  # what a cast down must saturate (_cast)
         # Random draws of the dtype the trace froze as float32, and what gray ops make of them alone (_draws).
         self.draws: dict[Node, None] = {}  # in graph order
         self.outputs_stay_low = outputs_stay_low
@@ -266,7 +267,7 @@ class _CastPass:
             self._forget_casts_of(value)
         self._refresh_meta(node)
         if node_dtype(node) in HALF_DTYPES and node_dtype(node) != self.traced_dtype.get(node):
-            _clamp_scalars_to_range(node, node_dtype(node))
+            clamp_scalars_to_range(node, node_dtype(node))
         if self._draws(node):
             self.draws[node] = None
 
@@ -302,7 +303,7 @@ class _CastPass:
             draw.meta[MARK] = OpMark(mark.decision, "dtype traced float32: drawn in its readers' dtype", mark.module)
             for node in chain:
                 node.meta["val"] = self._run_on_fake_values(node)
-                _clamp_scalars_to_range(node, self.low)
+                clamp_scalars_to_range(node, self.low)
             for cast in casts_down:
                 cast.replace_all_uses_with(cast.args[0])
                 self._erase_cast(cast)
@@ -487,7 +488,24 @@ class _CastPass:
             self.casts[(root, dtype)] = cast
             self.cast_source[cast] = root
             self.report.casts_inserted += 1
+            if dtype == self.low and self.constants.may_exceed(root):
+                self._saturate(cast, root)
         return cast
+
+    def _saturate(self, cast: Node, constant: Node) -> None:
+        """`cast` reads `constant` clamped at the low dtype's finite range where finite (number_range.py): the
+        float32 min the trace froze for `finfo(x.dtype).min` becomes the low min, not -inf."""
+        limit = torch.finfo(self.low).max
+        with self.graph.inserting_before(cast):
+            clamped = self.graph.call_function(aten.clamp.default, (constant, -limit, limit))
+            finite = self.graph.call_function(aten.isfinite.default, (constant,))
+            saturated = self.graph.call_function(aten.where.self, (finite, clamped, constant))
+        source = f"{constant.name} saturated at {dtype_name(self.low)}'s finite range"
+        for node in (clamped, finite, saturated):
+            node.meta["val"] = self._run_on_fake_values(node)
+            node.meta["nn_module_stack"] = cast.meta["nn_module_stack"]
+            node.meta[MARK] = OpMark(Decision.INSERTED_CAST, source, mark_of(cast).module)
+        cast.replace_input_with(constant, saturated)
 
     def _reshape_of_cast(self, reshape: Node, dtype: torch.dtype, before: Node) -> Node:
         """`reshape` in `dtype`, made as the same reshape of its input's (shared) cast."""
@@ -590,20 +608,6 @@ def cannot_run_message(node: Node, error: Exception) -> str:
         f"{node.name} = {node.target} in {mark and mark.module or '(top level)'}{decided} cannot run on {dtypes} "
         f"inputs: {first_line}. Fix: keep it FP32 with custom_black_list=['{entry}'] (or take it off white.txt)."
     )
-
-
-def _clamp_scalars_to_range(node: Node, dtype: torch.dtype) -> None:
-    """An op the pass made run low keeps the meaning of its number arguments beyond that dtype's range.
-
-    HF writes "minus infinity" as `torch.finfo(float32).min` (`masked_fill(scores, mask, -3.4e38)`), which
-    bfloat16 and float16 kernels refuse; the low dtype's own finite min/max means the same there."""
-    limit = torch.finfo(dtype).max
-    for argument in op_schema(node.target).arguments:
-        if not isinstance(argument.type, torch.NumberType):
-            continue
-        value = argument_value(node, argument, None)
-        if isinstance(value, float) and math.isfinite(value) and abs(value) > limit:
-            set_argument(node, argument, math.copysign(limit, value))
 
 
 def _autocast_enabled(node: Node) -> bool | None:
