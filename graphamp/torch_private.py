@@ -39,7 +39,8 @@ __all__ = [
     "call_module_with_hooks", "compile_with_inductor", "composable_apis_on", "cpu_runs_bfloat16_natively",
     "default_checkpoint_context_fn", "detect_fake_mode", "dispatch_mode_makes_dynamo_run_eagerly",
     "dynamo_traces_this_thread", "enable_python_dispatcher", "fused_step_takes_loss_scaling", "generate_code_now",
-    "global_module_hooks", "group_by_device_and_dtype", "inductor_modes", "mark_dim_dynamic", "module_buffers",
+    "global_module_hooks", "group_by_device_and_dtype", "inductor_modes", "inductor_options", "mark_dim_dynamic",
+    "module_buffers",
     "never_a_frame_of_its_own", "op_schema", "op_schemas_named", "outside_every_mode", "pytree", "qualified_op_name",
     "recompile_limit", "recording_functorch_transforms", "register_sub_graph", "rerun_checkpointed_region_as",
     "set_dynamo_config", "size_oblivious_tracing", "sparse_values", "tensor_version", "trace_inside_make_fx",
@@ -323,6 +324,14 @@ def inductor_modes() -> list[str]:
     from torch._inductor import list_mode_options
 
     return list(list_mode_options())
+
+
+def inductor_options() -> list[str]:
+    """The keys of torch.compile's `options` (torch._inductor.list_options, which torch.compile's docstring names):
+    a backend of one's own gets them unchecked. Pinned by tests/test_bad_input.py (rewrite-unknown-option)."""
+    from torch._inductor import list_options
+
+    return list_options()
 
 
 # -- modules -----------------------------------------------------------------------------------------------------

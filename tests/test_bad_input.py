@@ -156,6 +156,12 @@ BAD_CALLS = [
     pytest.param(exported_under_autocast, DoubleAmpError,
                  r"graphamp\.export_program\(\) of Linear was called inside an active torch\.autocast region on cpu: "
                  r".*drop the torch\.autocast context", id="export_program-under-autocast"),
+    pytest.param(lambda tmp: graphamp.backend(bf16_lists(), inductor_options={"max_autotuen": True}), ArgumentError,
+                 r"backend\(inductor_options=\.\.\.\) got 'max_autotuen', which is not one of inductor's options "
+                 r"\(torch\._inductor\.list_options\(\)\); did you mean 'max_autotune'", id="backend-unknown-inductor-option"),
+    pytest.param(lambda tmp: graphamp.backend(bf16_lists(), inductor=False, inductor_options={"max_autotune": True}),
+                 ArgumentError, r"backend\(inductor_options=\.\.\.\) are inductor's: pass inductor=True with them",
+                 id="backend-inductor-options-without-inductor"),
     pytest.param(lambda tmp: graphamp.rewritten_graphs(nn.Linear(4, 4)), ArgumentError,
                  r"rewritten_graphs\(\) takes a model graphamp\.rewrite\(\) converted .* got a Linear that was not "
                  r"rewritten", id="rewritten_graphs-of-an-fp32-model"),
@@ -203,6 +209,40 @@ BAD_CALLS = [
 def test_bad_call_raises_a_typed_error_that_names_the_fix(call, error, message, tmp_path):
     with pytest.raises(error, match=message):
         call(tmp_path)
+
+
+# -- torch.compile's settings: refused before the conversion, the model left as it was -------------------------
+
+@pytest.mark.parametrize("settings, message", [
+    pytest.param({"compile": True, "options": {"max_autotuen": True}},
+                 r"rewrite\(options=\.\.\.\) got 'max_autotuen', which is not one of inductor's options "
+                 r"\(torch\._inductor\.list_options\(\)\); did you mean 'max_autotune', ", id="rewrite-unknown-option"),
+    pytest.param({"compile": True, "options": {"dtype": "float16"}},
+                 r"got 'dtype', which is not one of inductor's options .*it is graphamp's: pass "
+                 r"amp_lists=graphamp\.AutoMixedPrecisionLists\(\.\.\.\) or level= instead", id="rewrite-a-list-option"),
+    pytest.param({"options": {"max_autotune": True}},
+                 r"options=\{'max_autotune': True\} are inductor's: pass compile=True with them",
+                 id="rewrite-options-without-compile"),
+    pytest.param({"mode": "max-autotune"}, r"mode='max-autotune' is inductor's: pass compile=True with it",
+                 id="rewrite-mode-without-compile"),
+])
+def test_rewrite_refuses_inductor_settings_it_would_not_use_and_leaves_the_model_unconverted(settings, message):
+    model = Head()
+
+    with pytest.raises(ArgumentError, match=message):
+        graphamp.rewrite(model, (x(),), amp_lists=bf16_lists(), **settings)
+
+    assert not graphamp.is_rewritten(model)
+
+
+def test_model_compile_refuses_an_unknown_inductor_option_and_keeps_its_settings():
+    model = rewritten_model()
+
+    with pytest.raises(ArgumentError, match=r"model\.compile\(options=\.\.\.\) got 'epilogue_fusoin', which is not "
+                                            r"one of inductor's options .*did you mean 'epilogue_fusion'"):
+        model.compile(options={"epilogue_fusoin": False})
+
+    assert graphamp.is_rewritten(model) and not model._graphamp.settings.inductor
 
 
 # -- lists ---------------------------------------------------------------------------------------------------

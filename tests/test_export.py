@@ -305,6 +305,32 @@ def test_report_counts_forward_only_when_the_model_returns_no_loss(bf16, tmp_pat
     assert "Counted: forward only" in (out / "report.html").read_text()
 
 
+@torch.library.custom_op("graphamp_test_export::doubled", mutates_args=())
+def doubled(x: torch.Tensor) -> torch.Tensor:  # no autograd formula: an inference-only op
+    return x * 2
+
+
+doubled.register_fake(torch.empty_like)
+
+
+class InferenceOnlyLoss(nn.Linear):
+    def forward(self, x):
+        return doubled(super().forward(x)).sum()
+
+
+@pytest.mark.parametrize("with_model", [True, False], ids=["model", "no-model"])
+def test_report_counts_forward_only_when_the_loss_has_no_backward(bf16, tmp_path, with_model):
+    model = InferenceOnlyLoss(4, 4)
+    program = graphamp.export_program(model, (torch.randn(2, 4),), amp_lists=bf16)
+
+    page = (graphamp.export(program, tmp_path, model=model if with_model else None) / "report.html").read_text()
+
+    assert ("Counted: forward only (its backward failed with RuntimeError: Trying to backward through "
+            "graphamp_test_export.doubled.default but no autograd formula was registered") in page
+    assert int(re.search(r"graphamp \(the rewritten graph\)</td><td class=n>(\d+)", page)[1]) > 0
+    assert bool(re.search(r"torch\.autocast on the original model</td><td class=n>\d", page)) is with_model
+
+
 class RefusesAutocast(nn.Linear):
     def forward(self, x):
         if torch.is_autocast_enabled("cpu"):

@@ -393,6 +393,35 @@ def test_rewrites_mode_and_options_reach_inductor(bf16, inductor_configs):
     assert inductor_configs[0]["max_autotune"] is True
 
 
+def compile_error(compiled) -> Exception:
+    """The error inside dynamo's BackendCompilerFailed at the first call of `compiled`."""
+    with pytest.raises(Exception) as caught:
+        compiled(torch.randn(4, 16))
+    return getattr(caught.value, "inner_exception", caught.value)
+
+
+@pytest.mark.parametrize("by_name", [True, False], ids=["by-name", "graphamp.backend"])
+def test_an_unknown_inductor_option_is_refused_before_the_graph_is_lowered(bf16, by_name):
+    amp_backend = graphamp.backend(bf16)
+    compiled = torch.compile(QuantizedMLP(), backend="graphamp" if by_name else amp_backend, options={"nonsense_opt": 1})
+
+    error = compile_error(compiled)
+
+    assert isinstance(error, graphamp.ArgumentError)
+    assert ("torch.compile(options=...) got 'nonsense_opt', which is not one of inductor's options "
+            "(torch._inductor.list_options()); drop it.") in str(error)
+    assert amp_backend.graphs == []
+
+
+def test_backend_by_name_refuses_amp_lists_with_a_dtype_it_would_ignore(bf16):
+    error = compile_error(torch.compile(QuantizedMLP(), backend="graphamp", options={"amp_lists": bf16,
+                                                                                    "dtype": "float16"}))
+
+    assert isinstance(error, graphamp.ArgumentError)
+    assert ("got amp_lists and dtype, which amp_lists already holds: dtype would be ignored. Pass one: "
+            "amp_lists=graphamp.AutoMixedPrecisionLists(..., dtype=...), or the keys without amp_lists") in str(error)
+
+
 def test_backend_by_name_runs_mixed_precision_in_a_process_that_never_imports_graphamp():
     code = (
         "import sys, torch\n"

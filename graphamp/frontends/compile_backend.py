@@ -6,6 +6,7 @@ code): docs/how_it_works.md, "The training front end"; docs/backend.md for the w
 
 from __future__ import annotations
 
+import difflib
 import time
 import types
 import weakref
@@ -28,12 +29,13 @@ from graphamp.policy.config import AmpConfig, refuse_half_parameters
 from graphamp.policy.dtypes import HALF_DTYPES
 from graphamp.policy.lists import AutoMixedPrecisionLists
 from graphamp.torch_private import (
-    ENTER_AUTOCAST, EXIT_AUTOCAST, compile_with_inductor, generate_code_now, set_dynamo_config, torch_function_off,
+    ENTER_AUTOCAST, EXIT_AUTOCAST, compile_with_inductor, generate_code_now, inductor_options, set_dynamo_config,
+    torch_function_off,
 )
 
 __all__ = [
     "GRAPHAMP_OPTIONS", "LIST_OPTIONS", "AmpBackend", "BackendGraph", "GraphRunner", "backend", "configure_dynamo",
-    "refuse_outer_autocast",
+    "refuse_outer_autocast", "refuse_unknown_inductor_options",
 ]
 
 # The one link between the graphs and training: run one graph, `run(*args)`, with loss scaling inside, and return its
@@ -71,10 +73,26 @@ def backend(
         An AmpBackend: pass it as `torch.compile(model, backend=..., mode=..., options=...)`; its `graphs` hold each
         graph's rewrite and `graphamp.export(it, folder)` writes them.
     """
+    if inductor_options and not inductor:
+        raise ArgumentError("backend(inductor_options=...) are inductor's: pass inductor=True with them, or drop them.")
+    refuse_unknown_inductor_options(inductor_options, "backend(inductor_options=...)")
     config = AmpConfig(amp_lists if amp_lists is not None else AutoMixedPrecisionLists(), level)
     if model is not None:
         config.lists.warn_unmatched_black_modules(model)
     return AmpBackend(config, inductor, inductor_options, model)
+
+
+def refuse_unknown_inductor_options(options: dict | None, argument: str) -> None:
+    """torch.compile refuses an unknown inductor option at once; a backend of one's own gets it unchecked, and
+    inductor would fail on it only at the first call, after the capture."""
+    known = inductor_options()
+    for key in (key for key in options or {} if key not in known):
+        close = difflib.get_close_matches(str(key), known, n=3)
+        fix = f"did you mean {', '.join(map(repr, close))}?" if close else "drop it."
+        if key in GRAPHAMP_OPTIONS:
+            fix = "it is graphamp's: pass amp_lists=graphamp.AutoMixedPrecisionLists(...) or level= instead."
+        raise ArgumentError(f"{argument} got {key!r}, which is not one of inductor's options "
+                            f"(torch._inductor.list_options()); {fix}")
 
 
 @dataclass
@@ -173,6 +191,7 @@ class AmpBackend:
         refuse_half_parameters((paths.state_path(p) or f"<one of shape {tuple(p.shape)}>", p) for p in half)
 
     def _compile(self, gm: GraphModule, example_inputs: list, mode: str | None, options: dict | None):
+        refuse_unknown_inductor_options(options, "torch.compile(options=...)")
         refuse_outer_autocast(example_inputs, "graphamp was asked to compile a graph")
         refuse_autocast_inside(gm)
         self._refuse_half_parameters(example_inputs)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+from graphamp.errors import ArgumentError
 from graphamp.frontends.compile_backend import GRAPHAMP_OPTIONS, LIST_OPTIONS, AmpBackend, configure_dynamo
 from graphamp.policy.config import AmpConfig
 from graphamp.policy.lists import AutoMixedPrecisionLists
@@ -44,6 +45,13 @@ def config_from(options: dict) -> AmpConfig:
     """The AmpConfig that torch.compile's options, else the environment, else the defaults give."""
     level = options.get("level", os.environ.get("GRAPHAMP_LEVEL", "O1"))
     lists = options.get("amp_lists")
+    overridden = [key for key in ("dtype", *LIST_OPTIONS) if key in options]
+    if lists is not None and overridden:
+        raise ArgumentError(
+            f"torch.compile(options=...) got amp_lists and {', '.join(overridden)}, which amp_lists already holds: "
+            f"{overridden[0]} would be ignored. Pass one: amp_lists=graphamp.AutoMixedPrecisionLists(..., "
+            f"{overridden[0]}=...), or the keys without amp_lists."
+        )
     if lists is None:
         given = {key: options[key] for key in LIST_OPTIONS if key in options}
         if "lists_dir" not in given and os.environ.get("GRAPHAMP_LISTS_DIR"):

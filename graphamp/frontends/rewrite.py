@@ -26,7 +26,9 @@ import torch
 from torch import nn
 
 from graphamp.errors import ArgumentError, GraphampError
-from graphamp.frontends.compile_backend import GRAPHAMP_OPTIONS, AmpBackend, BackendGraph, refuse_outer_autocast
+from graphamp.frontends.compile_backend import (
+    GRAPHAMP_OPTIONS, AmpBackend, BackendGraph, refuse_outer_autocast, refuse_unknown_inductor_options,
+)
 from graphamp.frontends.eager_policy import EagerPolicy, ModelFacts, rules_for
 from graphamp.policy.config import AmpConfig, check_entry_arguments, check_master_weights
 from graphamp.torch_private import (
@@ -117,6 +119,9 @@ def rewrite(
         )
     if mode is not None and not compile:
         raise ArgumentError(f"mode={mode!r} is inductor's: pass compile=True with it.")
+    if options and not compile:
+        raise ArgumentError(f"options={options!r} are inductor's: pass compile=True with them.")
+    refuse_unknown_inductor_options(options, "rewrite(options=...)")
     if mode is not None and mode not in inductor_modes():
         modes = ", ".join(inductor_modes())
         raise ArgumentError(f"mode={mode!r} is not one of torch.compile's modes: use one of {modes}.")
@@ -333,6 +338,7 @@ def compile(module: nn.Module, *args, backend="inductor", mode=None, options=Non
             f"model.compile(options=...) got graphamp's list options ({', '.join(k for k in options if k in GRAPHAMP_OPTIONS)}) "
             f"on a model rewritten with its own lists: rewrite a fresh FP32 model to change its lists."
         )
+    refuse_unknown_inductor_options(options, "model.compile(options=...)")
     state.settings = CompileSettings(True, mode, options, dynamic, fullgraph)
     state.install()
 

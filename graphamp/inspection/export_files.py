@@ -103,8 +103,8 @@ def _export_graphs(what, out: Path, overwrite: bool) -> Path:
         placeholders = graph.graph_module.graph.find_nodes(op="placeholder")
         lifted = [n for n in placeholders if n.name in graph.parameter_placeholders]
         in_graph = sum(n.target == CAST_OP for n in graph.graph_module.graph.nodes)
-        not_rerun = CastCounts(in_graph, None, False, "a torch.compile graph is not rerun; graphamp's count "
-                               "is the cast nodes in the graph")
+        not_rerun = CastCounts(in_graph, None, "a torch.compile graph is not rerun", "a torch.compile graph is "
+                               "not rerun; graphamp's count is the cast nodes in the graph")
         _write(folder, graph_files(
             f"{name} graph {i}", graph.graph_module, graph.report, graph.original_code, lifted,
             graph.parameter_placeholders, lambda: not_rerun,
@@ -256,25 +256,29 @@ def graph_diff(original_code: str, graph_module: GraphModule, summary: dict) -> 
 
 def count_executed_casts(program: ExportedProgram, model, inputs: tuple, dtype: torch.dtype) -> CastCounts:
     """Casts executed by the program's module and, given the FP32 `model`, by torch.autocast on it, on `inputs`
-    (args, kwargs): forward, and backward by torch.autograd.grad (no `.grad` touched) when it returns a scalar loss."""
+    (args, kwargs): forward, and backward by torch.autograd.grad (no `.grad` touched) when it returns a scalar loss
+    and its backward runs."""
     args, kwargs = inputs
     module = program.module()
     with _state_kept(module), _state_kept(model) if model is not None else nullcontext():
-        graphamp, backward = _casts_of(module, args, kwargs, nullcontext())
+        graphamp, forward_only = _casts_of(module, args, kwargs, nullcontext())
         if model is None:
-            return CastCounts(graphamp, None, backward, "pass model= (the FP32 model) to graphamp.export to count them")
+            return CastCounts(graphamp, None, forward_only, "pass model= (the FP32 model) to graphamp.export to count "
+                              "them")
         control_flow = _control_flow_ops(program.graph_module)
         if control_flow:
             # In torch 2.13 they fail under autocast and a dispatch mode, and leave dynamo unable to export them again.
-            return CastCounts(graphamp, None, backward, f"{', '.join(control_flow)} cannot run under torch.autocast "
-                              f"while kernels are recorded (torch {torch.__version__})")
+            return CastCounts(graphamp, None, forward_only, f"{', '.join(control_flow)} cannot run under "
+                              f"torch.autocast while kernels are recorded (torch {torch.__version__})")
         device = next(model.parameters(), torch.empty(0)).device
         try:
-            autocast, _ = _casts_of(model, args, kwargs, torch.autocast(device.type, dtype))
+            autocast, autocast_forward_only = _casts_of(model, args, kwargs, torch.autocast(device.type, dtype),
+                                                        backward=not forward_only)
         except Exception as error:  # the comparison informs; a model autocast cannot run still gets its files
-            first_line = (str(error).strip().splitlines() or [""])[0]
-            return CastCounts(graphamp, None, backward, f"it failed with {type(error).__name__}: {first_line[:300]}")
-    return CastCounts(graphamp, autocast, backward)
+            return CastCounts(graphamp, None, forward_only, f"it failed with {_first_line(error)}")
+        if autocast_forward_only and not forward_only:  # counts of different passes do not compare
+            return CastCounts(graphamp, None, forward_only, autocast_forward_only)
+    return CastCounts(graphamp, autocast, forward_only)
 
 
 def _control_flow_ops(graph_module: GraphModule) -> list[str]:
@@ -287,16 +291,27 @@ def _control_flow_ops(graph_module: GraphModule) -> list[str]:
     })
 
 
-def _casts_of(model, args, kwargs, autocast) -> tuple[int, bool]:
+def _casts_of(model, args, kwargs, autocast, backward: bool = True) -> tuple[int, str]:
+    """The casts a call of `model` executes, with its backward when it returns a scalar loss, and why the backward
+    was not counted ("" when it was)."""
     with DtypeRecorder() as recorder:
         with autocast:
             output = model(*args, **kwargs)
         scalars = (t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and t.dim() == 0)
         loss = next((t for t in scalars if t.is_floating_point() and t.requires_grad), None)
         parameters = [p for p in model.parameters() if p.requires_grad]
-        if loss is not None and parameters:
+        if loss is None or not parameters or not backward:
+            return recorder.casts, "the model returns no scalar loss" if backward else "not asked for"
+        forward = recorder.casts
+        try:
             torch.autograd.grad(loss, parameters, allow_unused=True)
-    return recorder.casts, loss is not None and bool(parameters)
+        except RuntimeError as error:  # an inference-only model: a custom op with no autograd formula
+            return forward, f"its backward failed with {_first_line(error)}"
+    return recorder.casts, ""
+
+
+def _first_line(error: Exception) -> str:
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
 
 
 @contextmanager

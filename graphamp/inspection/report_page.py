@@ -25,7 +25,7 @@ class CastCounts:
 
     graphamp: int
     autocast: int | None  # None when torch.autocast could not run the model
-    backward: bool  # forward and backward, or forward only
+    forward_only: str  # why the backward was not counted ("" when it was)
     autocast_error: str = ""  # why autocast was not measured
 
 
@@ -36,7 +36,7 @@ def render_report(summary: dict, svg: str, casts: CastCounts, title: str) -> str
 
 
 def _casts_section(summary: dict, casts: CastCounts) -> str:
-    passes = "forward and backward" if casts.backward else "forward only (the model returns no scalar loss)"
+    passes = f"forward only ({escape(casts.forward_only)})" if casts.forward_only else "forward and backward"
     autocast = casts.autocast if casts.autocast is not None else f"not measured: {escape(casts.autocast_error)}"
     return (
         "<h2>Casts</h2>\n"
