@@ -59,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
         # graphamp's own errors say the fix already; any other is named by its type
         print(f"error: {error if isinstance(error, GraphampError) else f'{type(error).__name__}: {error}'}",
               file=sys.stderr)
-        if not args.debug and (error.__cause__ is not None or not isinstance(error, GraphampError)):
+        # a list file's error names the file, line and fix: its cause (a decoding error) is no code of the user's
+        from_users_code = error.__cause__ is not None and not isinstance(error, ListFileError)
+        if not args.debug and (from_users_code or not isinstance(error, GraphampError)):
             print("(run with --debug for the traceback)", file=sys.stderr)
         return 1
 
@@ -117,8 +119,8 @@ def _check_lists(args, parser) -> int:
                 without_white.append(dtype)
     if len(without_white) == len(DTYPES):  # loads, but runs every op in float32: not a folder to pass as OK
         raise ListFileError(no_white_entries(folder) or f"{folder}: white.txt holds no entries for either dtype.")
-    for warning in caught:
-        print(f"warning: {warning.message}", file=sys.stderr)
+    for message in dict.fromkeys(str(warning.message) for warning in caught):  # once, not once per dtype
+        print(f"warning: {message}", file=sys.stderr)
     for dtype in without_white:
         print(f"warning: {folder / 'white.txt'}: no entries for {dtype} (its section and [all] are empty): with "
               f"--dtype {dtype} no op runs in low precision.", file=sys.stderr)

@@ -181,6 +181,8 @@ BAD_CALLS = [
                  r"white\.txt:2: 'm\\u200bm' holds the invisible character '\\u200b'", id="zero-width-space"),
     pytest.param(lists_folder(**{"black.txt": "soft\u00a0max\n"}), ListFileError,
                  r"black\.txt:1: .* holds the invisible character '\\xa0'", id="no-break-space"),
+    pytest.param(lists_folder(**{"white.txt": "mm\nsilu\u00a0  # pasted\n"}), ListFileError,
+                 r"white\.txt:2: 'silu\\xa0' holds the invisible character '\\xa0'", id="trailing-no-break-space"),
     pytest.param(lambda tmp: AutoMixedPrecisionLists(custom_black_list=["soft\u200dmax"]), ListFileError,
                  r"custom_black_list: .* holds the invisible character '\\u200d'", id="zero-width-joiner-custom"),
     # module patterns
@@ -188,6 +190,16 @@ BAD_CALLS = [
                  r"custom_black_modules: \[invalid: '\[invalid' is not a valid glob", id="glob-unclosed-bracket"),
     pytest.param(lists_folder(**{"white.txt": "mm\n", "black_modules.txt": "layers.[0\n"}), ListFileError,
                  r"black_modules\.txt:1: 'layers\.\[0' is not a valid glob", id="glob-unclosed-bracket-in-file"),
+    pytest.param(lists_folder(**{"white.txt": "mm\n", "black_modules.txt": "[invalid\n"}), ListFileError,
+                 r"black_modules\.txt:1: '\[invalid' is not a valid glob", id="glob-unclosed-bracket-first-in-file"),
+    pytest.param(lambda tmp: AutoMixedPrecisionLists(custom_black_modules=[""]), ListFileError,
+                 r"custom_black_modules: '' is not a module pattern; pass module paths or globs like 'lm_head'",
+                 id="empty-module-pattern"),
+    # op names
+    pytest.param(lambda tmp: AutoMixedPrecisionLists(custom_black_list=["::silu"]), ListFileError,
+                 r"custom_black_list: '::silu' is not an op name: .*Did you mean 'silu'", id="empty-namespace-custom"),
+    pytest.param(lists_folder(**{"white.txt": "mm\n::silu\n"}), ListFileError,
+                 r"white\.txt:2: '::silu' is not an op name: .*Did you mean 'silu'", id="empty-namespace-in-file"),
     # export
     pytest.param(exported_twice, ExportError,
                  r"out/graph\.py: already exists; pass overwrite=True \(graphamp export --force\)",
@@ -274,8 +286,10 @@ def fused_gelu(x: torch.Tensor) -> torch.Tensor:
 
 
 def test_a_typo_of_a_registered_custom_op_gets_a_suggestion():
-    with pytest.warns(UserWarning, match=r"'graphamp_bad_input::fused_gleu' is not registered \(yet\); "
-                                          r"did you mean 'graphamp_bad_input::fused_gelu'\?"):
+    with pytest.warns(UserWarning, match=r"^custom_white_list: custom op 'graphamp_bad_input::fused_gleu' is not "
+                                          r"registered \(yet\): it is kept, and applies if torch\.library registers "
+                                          r"it before the model is rewritten \(did you mean "
+                                          r"'graphamp_bad_input::fused_gelu'\?\)\.$"):
         bf16_lists(custom_white_list=["graphamp_bad_input::fused_gleu"])
 
 
@@ -492,6 +506,9 @@ BAD_COMMANDS = [
                  id="doctor-apply-to-the-shipped-lists"),
     pytest.param(["lists", "--lists", "empty"], 1, r"^error: empty: holds none of white\.txt",
                  id="lists-folder-without-list-files"),
+    pytest.param(["check-lists", "latin1"], 1,
+                 r"^error: latin1/white\.txt:2: byte 0xe9 \(offset 8\) is not UTF-8; save the file as UTF-8\.\n\Z",
+                 id="check-lists-a-latin-1-file"),
 ]
 
 
@@ -503,6 +520,8 @@ def test_bad_command_gets_one_error_line_and_no_traceback(argv, status, message,
     (tmp_path / "done").mkdir()
     (tmp_path / "done" / "graph.py").write_text("an earlier export")
     (tmp_path / "empty").mkdir()
+    (tmp_path / "latin1").mkdir()
+    (tmp_path / "latin1" / "white.txt").write_bytes("mm\n# café\n".encode("latin-1"))
 
     result = run_cli(argv)
 

@@ -111,6 +111,14 @@ def test_check_lists_warns_about_a_custom_op_not_registered_yet(tmp_path, capsys
     assert f"warning: {folder / 'white.txt'}:1: custom op 'mylib::fused_gelu' is not registered (yet)" in captured.err
 
 
+def test_check_lists_prints_a_warning_once_not_once_per_dtype(tmp_path, capsys, write_lists):
+    folder = write_lists(tmp_path / "mine", white="mm\nmylib::fused_gelu\n")
+
+    assert main(["check-lists", str(folder)]) == 0
+
+    assert capsys.readouterr().err.count("is not registered (yet)") == 1
+
+
 def test_check_lists_rejects_a_folder_without_list_files(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
 

@@ -6,6 +6,7 @@ or against torch.autocast.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 from collections import Counter
@@ -21,7 +22,7 @@ import graphamp
 import models
 from models import Broken
 from encoder_models import ENCODERS, shallow_mobilevit
-from conftest import CompiledCodeRecorder, FrontEnd
+from conftest import CompiledCodeRecorder, FrontEnd, write_list_folder
 from training import relative_error
 from graphamp.inspection.recording import DtypeRecorder
 from graphamp.passes.marks import mark_of
@@ -282,6 +283,56 @@ def test_a_rewritten_o2_lstm_under_a_dispatch_mode_runs_low_eagerly(bf16):
         model(tokens).sum().backward()
     assert {c.in_dtypes[0] for c in recorder.calls_of("mkldnn_rnn_layer", "addmm")} == {torch.bfloat16}
     assert all(p.grad is not None for p in model.parameters())
+
+
+class FNetMixing(nn.Module):
+    """FNet's token mixing: a linear, a 2-D FFT over the sequence and hidden dims, its real part, a linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.b(torch.fft.fftn(self.a(x), dim=(1, 2)).real)
+
+
+def fft_kernels(recorder: DtypeRecorder) -> list[tuple]:
+    """The input dtypes of each FFT kernel that ran, forward and backward."""
+    return [call.in_dtypes for call in recorder.calls if call.op.startswith("_fft_")]
+
+
+@pytest.mark.parametrize("front", ["rewrite", "auto_cast"])
+def test_an_fnet_trains_with_its_ffts_in_float32_as_under_torch_autocast(bf16, front):
+    torch.manual_seed(0)
+    ours, x = FNetMixing(), torch.randn(2, 8, 16)
+    theirs = copy.deepcopy(ours)
+    with DtypeRecorder() as autocasts:
+        with torch.autocast("cpu", torch.bfloat16):
+            expected = theirs(x)
+        expected.sum().backward()
+    if front == "rewrite":
+        graphamp.rewrite(ours, (x,), amp_lists=bf16)
+    with CompiledCodeRecorder() if front == "rewrite" else DtypeRecorder() as recorder:
+        with graphamp.auto_cast(bf16) if front == "auto_cast" else contextlib.nullcontext():
+            out = ours(x)
+        out.sum().backward()
+    assert fft_kernels(recorder) == fft_kernels(autocasts) == [(torch.complex64,)] * 2  # float32 pairs
+    assert low_and_fp32(recorder) == low_and_fp32(autocasts) and low_and_fp32(recorder)[0] > 0  # the linears ran low
+    for mine, want in zip(ours.parameters(), theirs.parameters()):
+        assert mine.grad.dtype == torch.float32 and relative_error(mine.grad, want.grad) < 2e-2
+
+
+@pytest.mark.parametrize("front", ["rewrite", "auto_cast"])
+def test_an_unlisted_op_without_a_low_kernel_is_a_rewrite_error_saying_to_put_it_on_the_black_list(front, tmp_path):
+    folder = write_list_folder(tmp_path, white="linear\n")  # fft_fftn on no list: it follows the linear's low output
+    lists = graphamp.AutoMixedPrecisionLists(dtype="bfloat16", lists_dir=folder)
+    fix = r"Fix: keep it FP32 with custom_black_list=\['fft_fftn'\] \(or add it to black\.txt\)\.$"
+    with pytest.raises(graphamp.RewriteError, match=r"fft_fftn.* cannot run on bfloat16 inputs.*" + fix):
+        if front == "rewrite":
+            graphamp.rewrite(FNetMixing(), (torch.randn(2, 8, 16),), amp_lists=lists)
+        else:
+            with graphamp.auto_cast(lists):
+                FNetMixing()(torch.randn(2, 8, 16))
 
 
 def test_auto_cast_disabled_runs_as_written(bf16):

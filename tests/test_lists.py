@@ -66,11 +66,29 @@ def test_a_malformed_line_names_the_file_the_line_and_the_fix(tmp_path, write_li
         AutoMixedPrecisionLists(lists_dir=folder)
 
 
-def test_unreadable_list_file_names_the_file(tmp_path, write_lists):
+def test_a_list_file_not_in_utf8_names_the_line_and_says_to_save_it_as_utf8(tmp_path, write_lists):
     folder = write_lists(tmp_path)
-    (folder / "black.txt").write_bytes(b"\xff\xfe\xfa not utf-8")
-    with pytest.raises(ListFileError, match=r"black\.txt: cannot read list file"):
+    (folder / "black.txt").write_bytes("softmax\n# café\n".encode("latin-1"))
+    with pytest.raises(ListFileError, match=r"black\.txt:2: byte 0xe9 \(offset 13\) is not UTF-8; save the file as "
+                                            r"UTF-8\."):
         AutoMixedPrecisionLists(lists_dir=folder)
+
+
+@pytest.mark.parametrize("entry", ["::silu", "mylib::", "a::b::silu"])
+def test_an_entry_with_an_empty_namespace_or_name_is_an_error_naming_the_closest_op(tmp_path, write_lists, entry):
+    with pytest.raises(ListFileError, match=rf"custom_black_list: '{entry}' is not an op name.*Did you mean 'silu'"
+                       if "silu" in entry else rf"custom_black_list: '{entry}' is not an op name"):
+        AutoMixedPrecisionLists(custom_black_list=[entry])
+    folder = write_lists(tmp_path, white="mm\n", black=f"softmax\n{entry}\n")
+    with pytest.raises(ListFileError, match=rf"black\.txt:2: '{entry}' is not an op name"):
+        AutoMixedPrecisionLists(lists_dir=folder)
+
+
+def test_op_objects_are_list_entries_as_their_names():
+    lists = AutoMixedPrecisionLists(custom_black_list=[torch.ops.aten.softmax.int, torch.ops.aten.gelu],
+                                    custom_white_list=torch.ops.aten.relu.default)
+    assert lists.custom_lists["black"] == ("softmax.int", "gelu") and lists.custom_lists["white"] == ("relu.default",)
+    assert lists.classify(torch.ops.aten.softmax.int).source == "custom_black_list"
 
 
 def test_unknown_overload_lists_the_known_overloads(tmp_path, write_lists):
@@ -174,6 +192,25 @@ def test_default_sources_are_shown_as_lists_file_and_line():
     assert entry.source.startswith("lists/white.txt:")
     line = int(entry.source.rsplit(":", 1)[1])
     assert (REPO / "lists" / "white.txt").read_text().splitlines()[line - 1].split("#")[0].strip() == "linear"
+
+
+def test_a_bracketed_line_of_black_modules_txt_is_a_glob_unless_it_names_a_section(tmp_path, write_lists):
+    folder = write_lists(tmp_path, white="mm\n", black_modules="[ab]*\n[bfloat16]\nhead\n[all]\n[0-9].fc\n")
+    for dtype, patterns in (("float16", ["[ab]*", "[0-9].fc"]), ("bfloat16", ["[ab]*", "head", "[0-9].fc"])):
+        lists = AutoMixedPrecisionLists(dtype=dtype, lists_dir=folder)
+        assert [pattern.name for pattern in lists.black_modules] == patterns
+    assert lists.black_module_for("a.body").name == "[ab]*" and lists.black_module_for("c.body") is None
+
+
+def test_an_unclosed_bracket_of_black_modules_txt_gets_the_glob_message(tmp_path, write_lists):
+    folder = write_lists(tmp_path, white="mm\n", black_modules="[invalid\n")
+    with pytest.raises(ListFileError, match=r"black_modules\.txt:1: '\[invalid' is not a valid glob: its '\[' opens"):
+        AutoMixedPrecisionLists(lists_dir=folder)
+
+
+def test_an_empty_module_pattern_gets_a_module_pattern_message():
+    with pytest.raises(ListFileError, match=r"custom_black_modules: '' is not a module pattern; pass module paths"):
+        AutoMixedPrecisionLists(custom_black_modules=[""])
 
 
 def test_black_modules_come_from_the_file_and_the_argument(tmp_path, write_lists):

@@ -31,12 +31,12 @@ from dataclasses import dataclass
 import torch
 from torch.overrides import TorchFunctionMode
 
-from graphamp.errors import ArgumentError, DoubleAmpError
+from graphamp.errors import ArgumentError, DoubleAmpError, GraphampError, RewriteError
 from graphamp.frontends.low_storage import LowStorageTensor, stored_values
 from graphamp.policy.aten_ops import NORM_OPS, SAME_DTYPE_OPS
-from graphamp.policy.cast_rule import cast_target, decides_dtype
+from graphamp.policy.cast_rule import cannot_run_fix, cast_target, decides_dtype
 from graphamp.policy.config import AmpConfig, check_level, is_normalization_module
-from graphamp.policy.dtypes import HALF_DTYPES
+from graphamp.policy.dtypes import HALF_DTYPES, dtype_name
 from graphamp.policy.kernel_support import runs_low_on
 from graphamp.policy.lists import BLACK, GRAY, WHITE, AutoMixedPrecisionLists, Decision
 from graphamp.torch_private import (
@@ -66,6 +66,7 @@ _FOLLOWED_MODULES = ("torch.nn.functional", "torch.functional")
 _FOLLOW = object()
 _UNKNOWN = object()
 _HALF = frozenset(HALF_DTYPES)
+_SCALAR_TYPE_NAMES = {torch.float16: "Half", torch.bfloat16: "BFloat16"}  # as kernels' errors name them
 _FOLLOWS_INPUTS = (GRAY, Decision.UNLISTED)  # a module constant: an enum member read off its class costs ~0.2 µs
 _DTYPE = operator.attrgetter("dtype")
 # runs_low_on per (op, device, dtype), remembered: it reads device.type (~0.2 µs a read) on every normalization call.
@@ -229,11 +230,22 @@ class EagerPolicy(TorchFunctionMode):
         rule = self._by_function.get(func, _UNKNOWN)
         if rule is _UNKNOWN:
             rule = self._rules.rule_for(func)
-        if rule is None or (self._by_op_alone and rule is not _FOLLOW and
-                            rule.keeps((*args, *kwargs.values()) if kwargs else args)):
-            # the common case, decided from the input dtypes alone (torch passes kwargs=None for a positional call)
-            return func(*args, **kwargs) if kwargs else func(*args)
-        return self._run_cast(func, rule, args, kwargs or {})
+        try:
+            if rule is None or (self._by_op_alone and rule is not _FOLLOW and
+                                rule.keeps((*args, *kwargs.values()) if kwargs else args)):
+                # the common case, decided from the input dtypes alone (torch passes kwargs=None for a positional call)
+                return func(*args, **kwargs) if kwargs else func(*args)
+            return self._run_cast(func, rule, args, kwargs or {})
+        except RuntimeError as error:  # free unless raised (Python 3.11's exception tables)
+            if rule is None or rule is _FOLLOW or isinstance(error, GraphampError) or \
+                    _SCALAR_TYPE_NAMES[self.low] not in str(error):
+                raise
+            # the kernel has no implementation for the low dtype (fft_fft: "Unsupported dtype BFloat16")
+            raise RewriteError(
+                f"{rule.op} ({rule.decision}{f', {rule.source}' if rule.source else ''}) cannot run on "
+                f"{dtype_name(self.low)} inputs under auto_cast's policy: {str(error).strip().splitlines()[0]}. "
+                f"Fix: {cannot_run_fix(rule.op, rule.decision, rule.source)}."
+            ) from error
 
     def _run_cast(self, func, rule, args, kwargs):
         """A call whose inputs the rule may cast: the rest of the rule, in order."""

@@ -23,7 +23,7 @@ from graphamp.policy.aten_ops import (
     FP32_ACCUMULATING_OPS, MODEL_CAST_OPS, NORM_OPS, RESHAPE_OPS, SAME_DTYPE_OPS, TRACE_ASSERTS, VIEW_OPS,
     argument_value, has_explicit_float_dtype, norm_parameter_inputs, set_argument, viewed_input, written_inputs,
 )
-from graphamp.policy.cast_rule import cast_target, decides_dtype
+from graphamp.policy.cast_rule import cannot_run_fix, cast_target, decides_dtype
 from graphamp.policy.config import AmpConfig, is_normalization_module
 from graphamp.policy.dtypes import HALF_DTYPES, dtype_name
 from graphamp.policy.kernel_support import runs_low_on
@@ -603,10 +603,11 @@ def cannot_run_message(node: Node, error: Exception) -> str:
     dtypes = ", ".join(sorted({dtype_name(node_dtype(n)) for n in node.all_input_nodes if _is_castable(n)}))
     entry = op_lookup_keys(node.target)[1] if isinstance(node.target, OpOverload) else str(node.target)
     decided = f" ({mark.decision}, {mark.source})" if mark and mark.source else ""
+    fix = cannot_run_fix(entry, mark.decision, mark.source) if mark else cannot_run_fix(entry, None, "")
     first_line = (str(error).strip().splitlines() or [""])[0]
     return (
         f"{node.name} = {node.target} in {mark and mark.module or '(top level)'}{decided} cannot run on {dtypes} "
-        f"inputs: {first_line}. Fix: keep it FP32 with custom_black_list=['{entry}'] (or take it off white.txt)."
+        f"inputs: {first_line}. Fix: {fix}."
     )
 
 

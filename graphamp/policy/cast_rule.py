@@ -9,7 +9,7 @@ import torch
 
 from graphamp.policy.lists import BLACK, GRAY, WHITE, Decision
 
-__all__ = ["cast_target", "decides_dtype"]
+__all__ = ["cannot_run_fix", "cast_target", "decides_dtype"]
 
 _FOLLOWS_INPUTS = (GRAY, Decision.UNLISTED)
 
@@ -43,3 +43,15 @@ def decides_dtype(value: torch.Tensor) -> bool:
         return False
     numel = value.numel()  # asked only past the 0-dim test: auto_cast asks this of every gray op's inputs
     return not (isinstance(numel, int) and numel == 0)  # a symbolic size may be anything
+
+
+def cannot_run_fix(entry: str, decision: str | None, source: str) -> str:
+    """The fix for an op whose kernel refuses the low dtype its inputs got: keep it FP32, on the black list. A white op
+    runs low by its own entry (`source`); a gray or unlisted one because its inputs came low."""
+    if source.startswith("custom_"):
+        also = f"and take it out of {source}"  # an op in two custom lists is an error
+    elif decision == WHITE:
+        also = f"or take it off {source or 'white.txt'}"
+    else:
+        also = f"or move it from {source} to black.txt" if decision == GRAY and source else "or add it to black.txt"
+    return f"keep it FP32 with custom_black_list=['{entry}'] ({also})"

@@ -6,6 +6,7 @@ A list file holds one op (or, in black_modules.txt, one module pattern) a line, 
 
 from __future__ import annotations
 
+import codecs
 import difflib
 import warnings
 from pathlib import Path
@@ -76,34 +77,44 @@ def check_visible(text: str, where: str) -> None:
     for character in text:
         if not character.isprintable() and character not in " \t":
             escaped = character.encode("unicode_escape").decode("ascii")
+            shown = text.strip(" \t")  # not strip(): that would drop a no-break space from the line shown
             raise ListFileError(
-                f"{where}: {text.strip()!r} holds the invisible character '{escaped}'; delete it (retype the line)."
+                f"{where}: {shown!r} holds the invisible character '{escaped}'; delete it (retype the line)."
             )
 
 
-def read_list_entries(path: Path, display: str) -> list[tuple[str, str, torch.dtype | None]]:
+def read_list_entries(path: Path, display: str, globs: bool = False) -> list[tuple[str, str, torch.dtype | None]]:
     """(entry, 'file:line', section dtype) triples of one list file, every section, in file order; the section
     dtype is None under [all] (and at the top of a file). Raises ListFileError for an unreadable file, an unknown
-    section, an invisible character or a line holding more than one name."""
+    section, an invisible character or a line holding more than one name. With `globs` (black_modules.txt) a
+    bracketed line that names no section is an entry: '[ab]*' is a glob."""
     try:
-        text = path.read_text(encoding="utf-8-sig")  # -sig: editors on Windows start files with a BOM
-    except (OSError, UnicodeDecodeError) as error:
+        data = path.read_bytes().removeprefix(codecs.BOM_UTF8)  # editors on Windows start files with a BOM
+    except OSError as error:
         raise ListFileError(f"{display}: cannot read list file ({error}).") from error
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        raise ListFileError(
+            f"{display}:{line}: byte {data[error.start]:#04x} (offset {error.start}) is not UTF-8; save the file as "
+            f"UTF-8."
+        ) from error
     section_dtype = None
     entries = []
     for number, raw in enumerate(text.splitlines(), start=1):
-        line = raw.split("#", 1)[0].strip()
         where = f"{display}:{number}"
+        check_visible(raw.split("#", 1)[0], where)  # before strip(), which would drop a trailing no-break space
+        line = raw.split("#", 1)[0].strip()
         if not line:
             continue
-        check_visible(line, where)
-        if line.startswith("["):
-            name = line.strip("[]").strip()
-            if not line.endswith("]") or name not in SECTIONS:
+        section = line.strip("[]").strip() if line.endswith("]") else None
+        if line.startswith("[") and not (globs and section not in SECTIONS):
+            if section not in SECTIONS:
                 raise ListFileError(
                     f"{where}: unknown section {line!r}; use [all], [float16] or [bfloat16] on a line of its own."
                 )
-            section_dtype = SECTIONS[name]
+            section_dtype = SECTIONS[section]
             continue
         if len(line.split()) != 1:
             raise ListFileError(f"{where}: {line!r} holds more than one name; write one op a line.")
@@ -111,6 +122,7 @@ def read_list_entries(path: Path, display: str) -> list[tuple[str, str, torch.dt
     return entries
 
 
-def read_list_file(path: Path, dtype: torch.dtype, display: str) -> list[tuple[str, str]]:
+def read_list_file(path: Path, dtype: torch.dtype, display: str, globs: bool = False) -> list[tuple[str, str]]:
     """The (entry, 'file:line') pairs of read_list_entries that apply to `dtype`, in file order; its errors too."""
-    return [(entry, where) for entry, where, section in read_list_entries(path, display) if section in (None, dtype)]
+    entries = read_list_entries(path, display, globs)
+    return [(entry, where) for entry, where, section in entries if section in (None, dtype)]

@@ -24,7 +24,9 @@ from graphamp.policy.list_files import (
     BLACK_MODULES_FILE, OP_LIST_FILES, PROMOTE_FILE, check_lists_folder, check_visible, default_lists_dir,
     read_list_entries, read_list_file,
 )
-from graphamp.torch_private import all_op_schemas, op_schema, op_schemas_named
+from graphamp.torch_private import (
+    OpOverload, OpOverloadPacket, all_op_schemas, op_schema, op_schemas_named, qualified_op_name,
+)
 
 __all__ = ["AutoMixedPrecisionLists", "COLORS", "Decision", "ListEntry"]
 
@@ -102,6 +104,14 @@ _LIBRARY_NAMESPACES = ("transformers::",)
 def check_op_name(entry: str, where: str, unregistered: list[tuple[str, str]] | None = None) -> None:
     """Raise ListFileError for an op torch does not know; warn for a custom op not registered yet, or append it to
     `unregistered` where given (for one warning about them all, see warn_unregistered)."""
+    parts = entry.split("::")
+    if len(parts) > 2 or not all(parts):  # '::silu', 'mylib::': a namespace or a name lost in an edit
+        close = difflib.get_close_matches(max(parts, key=len), _known_op_names(), n=3, cutoff=0.6)
+        hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        raise ListFileError(
+            f"{where}: '{entry}' is not an op name: write 'name' for an aten op or 'namespace::name' for a "
+            f"torch.library op, neither part empty.{hint}"
+        )
     qualified, overload = _split_overload(entry)
     schemas = op_schemas_named(qualified)
     if not schemas:
@@ -129,7 +139,7 @@ def check_op_name(entry: str, where: str, unregistered: list[tuple[str, str]] | 
 
 
 def _namespace_hints(entries: list[str]) -> list[str]:
-    """'; did you mean ...' for each entry that is a typo of an op registered in its namespace, else ''."""
+    """'did you mean ...?' for each entry that is a typo of an op registered in its namespace, else ''."""
     registered: dict[str, list[str]] = {}
     for schema in all_op_schemas():  # read now: ops registered since the last lists count
         registered.setdefault(schema.name.partition("::")[0], []).append(schema.name)
@@ -137,7 +147,7 @@ def _namespace_hints(entries: list[str]) -> list[str]:
     for entry in entries:
         qualified = _split_overload(entry)[0]
         close = difflib.get_close_matches(qualified, registered.get(qualified.partition("::")[0], []), n=3)
-        hints.append(f"; did you mean {', '.join(repr(c) for c in close)}?" if close else "")
+        hints.append(f"did you mean {', '.join(repr(c) for c in close)}?" if close else "")
     return hints
 
 
@@ -151,15 +161,14 @@ def warn_unregistered(unregistered: list[tuple[str, str]], stacklevel: int = 3) 
     notes.sort(key=lambda note: not note[2])  # the likely typos first
     if len(notes) == 1:
         ((entry, where, hint),) = notes
-        message = f"{where}: custom op '{entry}' is not registered (yet){hint}; it is kept"
+        message = (f"{where}: custom op '{entry}' is not registered (yet): it is kept, and applies if torch.library "
+                   f"registers it before the model is rewritten{f' ({hint})' if hint else ''}.")
     else:
-        shown = ", ".join(f"'{entry}' ({where}{hint})" for entry, where, hint in notes[:5])
+        shown = ", ".join(f"'{entry}' ({where}{f', {hint}' if hint else ''})" for entry, where, hint in notes[:5])
         more = f" and {len(notes) - 5} more" if len(notes) > 5 else ""
-        message = f"{len(notes)} custom ops are not registered (yet): {shown}{more}; they are kept"
-    warnings.warn(
-        f"{message}, and apply once torch.library registers them before the model is rewritten.",
-        stacklevel=stacklevel,
-    )
+        message = (f"{len(notes)} custom ops are not registered (yet): {shown}{more}: they are kept, and apply if "
+                   f"torch.library registers them before the model is rewritten.")
+    warnings.warn(message, stacklevel=stacklevel)
 
 
 def check_module_pattern(pattern: str, where: str) -> None:
@@ -202,12 +211,12 @@ class AutoMixedPrecisionLists:
         self._read_default_files(unregistered)
         # Kept as given (canonical names), so that with_changes() and the list writer can build on them.
         self.custom_lists = {
-            color: tuple(canonical_op_name(op) for op in _as_names(ops, f"custom_{color}_list"))
+            color: tuple(canonical_op_name(op) for op in _as_names(ops, f"custom_{color}_list", _OP_NAMES))
             for color, ops in ((WHITE, custom_white_list), (BLACK, custom_black_list), (GRAY, custom_gray_list))
         }
         self._apply_custom_lists(self.custom_lists, unregistered)
         warn_unregistered(unregistered)
-        self.custom_black_modules = tuple(_as_names(custom_black_modules, "custom_black_modules"))
+        self.custom_black_modules = tuple(_as_names(custom_black_modules, "custom_black_modules", _MODULE_PATTERNS))
         self.black_modules = self._read_black_modules(self.custom_black_modules)
         self.promote_ops = self._read_promote_ops()
 
@@ -254,7 +263,7 @@ class AutoMixedPrecisionLists:
 
     def _read_black_modules(self, custom_black_modules) -> tuple[ListEntry, ...]:
         path = self.lists_dir / BLACK_MODULES_FILE
-        listed = read_list_file(path, self.dtype, self._display(path)) if path.exists() else []
+        listed = read_list_file(path, self.dtype, self._display(path), globs=True) if path.exists() else []
         custom = [(p, f"custom_black_modules: {p}") for p in custom_black_modules]
         patterns = tuple(ListEntry(name, BLACK, where) for name, where in [*listed, *custom])
         for pattern in patterns:
@@ -379,20 +388,27 @@ class AutoMixedPrecisionLists:
         return f"AutoMixedPrecisionLists(dtype={self.dtype_name}, {counts}{custom}{modules})"
 
 
-def _as_names(values, argument: str) -> list[str]:
-    """A custom list argument as a list of names; a bare string is one name, not its characters."""
+# What each custom list argument holds, and examples of it, for its errors.
+_OP_NAMES = ("an op name", "names like 'linear' or 'mylib::op'")
+_MODULE_PATTERNS = ("a module pattern", "module paths or globs like 'lm_head' or 'encoder.layer.*'")
+
+
+def _as_names(values, argument: str, kind: tuple[str, str]) -> list[str]:
+    """A custom list argument as a list of names (`kind`: _OP_NAMES or _MODULE_PATTERNS); a bare string is one name,
+    not its characters. An op list takes torch.ops.aten.softmax.int and torch.ops.aten.softmax too."""
+    ops = (OpOverload, OpOverloadPacket) if kind is _OP_NAMES else ()
     if values is None:
         return []
-    if isinstance(values, str):
+    if isinstance(values, (str, *ops)):
         values = [values]
     if not isinstance(values, Iterable):
-        raise ListFileError(
-            f"{argument}={values!r}: pass a list of names like ['linear', 'mylib::op'], not a {type(values).__name__}."
-        )
+        raise ListFileError(f"{argument}={values!r}: pass a list of {kind[1]}, not a {type(values).__name__}.")
     names = []
     for value in values:
+        if isinstance(value, ops):  # str(): 'aten.softmax.int', which canonical_op_name reads
+            value = str(value) if isinstance(value, OpOverload) else qualified_op_name(value)
         if not isinstance(value, str) or not value.strip():
-            raise ListFileError(f"{argument}: {value!r} is not an op name; pass names like 'linear' or 'mylib::op'.")
+            raise ListFileError(f"{argument}: {value!r} is not {kind[0]}; pass {kind[1]}.")
         check_visible(value, argument)
         names.append(value.strip())
     return names
