@@ -708,3 +708,46 @@ def test_o2_keeps_a_norm_weight_read_through_a_no_op_float_in_fp32_eagerly_as_in
     adds = [c.in_dtypes for c in by_pass.calls_of("add")]
     assert adds == [c.in_dtypes for c in by_policy.calls_of("add")]
     assert adds[-1] == (torch.float32,)  # 1.0 + the weight
+
+
+@torch.library.custom_op("graphamp_eager_policy::accumulate_into", mutates_args=("total",))
+def accumulate_into(total: torch.Tensor, values: torch.Tensor) -> None:
+    total.add_(values)
+
+
+@accumulate_into.register_fake
+def _(total, values):
+    return None
+
+
+class AccumulatesWithACustomOp(nn.Module):
+    """A torch.library op on the white list that writes its first argument (an FP32 statistics buffer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.register_buffer("total", torch.zeros(4, 16))
+
+    def forward(self, x):
+        hidden = self.fc(x)
+        accumulate_into(self.total, hidden.detach())
+        return hidden
+
+
+@pytest.mark.parametrize("front_end", ["auto_cast", "rewrite"])
+def test_a_custom_op_keeps_the_tensor_it_writes_and_the_write_lands_as_under_autocast(front_end, seeded):
+    """Its mutates_args are what it writes: never cast, as the cast pass leaves written inputs alone (a cast copy
+    would take the write, and the buffer would stay zero)."""
+    lists = graphamp.AutoMixedPrecisionLists(
+        dtype="bfloat16", custom_white_list=["graphamp_eager_policy::accumulate_into"]
+    )
+    model, x = AccumulatesWithACustomOp(), torch.randn(4, 16)
+    twin = copy.deepcopy(model)
+    with torch.autocast("cpu", torch.bfloat16):
+        twin(x)
+    if front_end == "rewrite":
+        graphamp.rewrite(model, amp_lists=lists)
+    with graphamp.auto_cast(lists, model=model) if front_end == "auto_cast" else contextlib.nullcontext():
+        model(x)
+    assert model.total.dtype == torch.float32
+    assert torch.equal(model.total, twin.total)

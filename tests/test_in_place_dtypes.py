@@ -2,6 +2,7 @@
 (issue 38): the FP32 trace has no `.to(cache.dtype)` of a low GEMM output written into an FP32 buffer (it was a no-op
 there), so index_copy_, index_put_ and index_add_ would get a bfloat16 source for a float32 self and refuse it."""
 
+import contextlib
 import copy
 
 import pytest
@@ -9,6 +10,8 @@ import torch
 from torch import nn
 
 import graphamp
+from graphamp.inspection.recording import floating
+from conftest import CompiledCodeRecorder
 from models import VOCAB, token_batch
 from training import relative_error
 
@@ -79,3 +82,45 @@ def test_static_cache_generation_of_a_rewritten_llama_gives_the_fp32_tokens(comp
         assert torch.equal(static_greedy(twin, ids), expected)  # this model's tokens do not hinge on rounding
     graphamp.rewrite(model, amp_lists=bf16, compile=compile)
     assert torch.equal(static_greedy(model, ids), expected)
+
+
+OUT_CALLS = {
+    "mm": lambda x, w, buffer: torch.mm(x, w.t(), out=buffer),
+    "matmul": lambda x, w, buffer: torch.matmul(x, w.t(), out=buffer),
+    "addmm": lambda x, w, buffer: torch.addmm(buffer, x, w.t(), out=buffer),
+}
+
+
+class WritesAGemmWithOut(nn.Module):
+    """A GEMM that writes into an FP32 buffer with out= (TRL's chunked LM head tiles, an accumulator)."""
+
+    def __init__(self, call):
+        super().__init__()
+        self.fc, self.call = nn.Linear(16, 16), call
+        self.register_buffer("acc", torch.zeros(4, 16))
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.call(x, self.fc.weight.detach(), self.acc)
+        return self.fc(x) + self.acc
+
+
+@pytest.mark.parametrize("call", OUT_CALLS)
+@pytest.mark.parametrize("front_end", [*FRONT_ENDS, "auto_cast"])
+def test_a_white_op_with_out_runs_low_and_its_buffer_keeps_its_dtype_as_under_auto_cast(front_end, call, bf16, seeded):
+    """The lists decide the op (low, as auto_cast runs it); its result is copied into the buffer, which stays float32.
+    The out= kernel itself refuses a bfloat16 input for a float32 buffer: a raw RuntimeError before."""
+    model, x = WritesAGemmWithOut(OUT_CALLS[call]), torch.randn(4, 16)
+    expected = copy.deepcopy(model)(x)
+    if front_end == "export":
+        model = graphamp.export_program(model, (x,), amp_lists=bf16).module()
+    elif front_end != "auto_cast":
+        graphamp.rewrite(model, amp_lists=bf16, compile=front_end == "rewrite-inductor")
+    with graphamp.auto_cast(bf16) if front_end == "auto_cast" else contextlib.nullcontext(), \
+            CompiledCodeRecorder() as recorder:
+        out = model(x)
+    assert model.acc.dtype == torch.float32
+    assert relative_error(out, expected) < 2e-2
+    if front_end != "rewrite-inductor":  # inductor's kernels are its own
+        assert {dtype for c in recorder.calls if c.op in ("mm", "addmm", "matmul") for dtype in floating(c.in_dtypes)} \
+            == {torch.bfloat16}

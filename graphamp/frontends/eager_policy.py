@@ -92,6 +92,7 @@ class _Rule:
     source: str
     op: str  # the ATen op (packet) name
     writes_first: bool  # an in-place op (add_): its first argument is written, never cast
+    written: frozenset  # the positions and names of every argument it writes (a custom op's mutates_args)
     norm: bool  # a normalization: only its first tensor is data, the rest are FP32 parameters
     dtype_argument: bool  # a black op that computes in float32 inside when passed dtype=float32 (softmax, sum)
     promotes: bool  # promote.txt: mixed inputs are cast to the widest
@@ -131,10 +132,24 @@ class _Rules:
             argument.name == "dtype"
             for overload in packet.overloads() for argument in op_schema(getattr(packet, overload)).arguments
         )
-        writes_first = name.endswith("_") and not name.startswith("_")
+        written = _written_arguments(packet)
+        writes_first = name.endswith("_") and not name.startswith("_") or 0 in written
+        written |= {0} if writes_first else set()
         norm = name in NORM_OPS
-        return _Rule(decision, source, name, writes_first, norm, dtype_argument, lists.promotes_packet(name),
-                     name in SAME_DTYPE_OPS, not (writes_first or norm), _keeps(decision, name, norm, self.config))
+        return _Rule(decision, source, name, writes_first, frozenset(written), norm, dtype_argument,
+                     lists.promotes_packet(name), name in SAME_DTYPE_OPS, not (written or norm),
+                     _keeps(decision, name, norm, self.config))
+
+
+def _written_arguments(packet) -> set:
+    """The positions and names of the arguments an op writes in place in any overload (a torch.library op's
+    mutates_args), `out=` aside: they keep their tensor, as the cast pass leaves written inputs alone."""
+    written = set()
+    for overload in packet.overloads() if packet is not None else ():
+        for index, argument in enumerate(op_schema(getattr(packet, overload)).arguments):
+            if argument.alias_info is not None and argument.alias_info.is_write and not argument.is_out:
+                written |= {argument.name} if argument.kwarg_only else {index, argument.name}
+    return written
 
 
 def _keeps(decision: str, op: str, norm: bool, config: AmpConfig):
@@ -453,11 +468,12 @@ def _unchecked(function: types.FunctionType) -> types.FunctionType:
 
 # -- inputs -----------------------------------------------------------------------------------------------------
 def _hot_path_fits(rule: _Rule, args) -> bool:
-    """Whether a white call's positional tensors, each cast down, are all its rule casts: no argument is a list or
-    tuple, or (conv2d's stride and padding) none holds a tensor and the op is plain, as _cast_inputs would cast."""
+    """Whether a white call's positional tensors, each cast down, are all its rule casts: the op writes none of them
+    and is no normalization (plain), and no argument is a list or tuple but one holding no tensor (conv2d's stride)."""
+    if not rule.plain:
+        return False
     for value in args:
-        if (type(value) is list or type(value) is tuple) and not (
-                rule.plain and not any(isinstance(item, torch.Tensor) for item in value)):
+        if (type(value) is list or type(value) is tuple) and any(isinstance(item, torch.Tensor) for item in value):
             return False
     return True
 
@@ -496,32 +512,34 @@ def _deciding_dtypes(floats: list[torch.Tensor]) -> list[torch.dtype]:
 def _floating_inputs(args, kwargs, rule: _Rule) -> list[torch.Tensor]:
     """The floating tensors that decide and get cast: not an in-place op's target, an `out=`, or a norm's
     parameters."""
-    target = args[0] if rule.writes_first and args and isinstance(args[0], torch.Tensor) else None
+    written = rule.written
+    kept = [*(v for i, v in enumerate(args) if i in written), *(v for k, v in kwargs.items() if k in written)]
     tensors = []
     for value in (*args, *(v for k, v in kwargs.items() if k != "out")) if kwargs else args:
         if isinstance(value, torch.Tensor):
-            if value.dtype.is_floating_point and value is not target:
+            if value.dtype.is_floating_point and not any(value is t for t in kept):
                 tensors.append(value)
         elif isinstance(value, (list, tuple)):
-            tensors += [t for t in value
-                        if isinstance(t, torch.Tensor) and t.dtype.is_floating_point and t is not target]
+            tensors += [t for t in value if isinstance(t, torch.Tensor) and t.dtype.is_floating_point
+                        and not any(t is k for k in kept)]
     return tensors[:1] if rule.norm else tensors
 
 
 def _map_inputs(args, kwargs, rule: _Rule, cast):
-    first = args[0] if rule.writes_first and args else None
     data = _first_tensor((*args, *kwargs.values())) if rule.norm else None
 
     def one(value):
         if isinstance(value, torch.Tensor):
-            if value is first or not value.dtype.is_floating_point or (rule.norm and value is not data):
+            if not value.dtype.is_floating_point or (rule.norm and value is not data):
                 return value
             return cast(value)
         if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
             return type(value)(one(v) for v in value)
         return value
 
-    return tuple(map(one, args)), {k: (v if k == "out" else one(v)) for k, v in kwargs.items()} if kwargs else {}
+    written = rule.written
+    args = tuple(value if index in written else one(value) for index, value in enumerate(args))
+    return args, {k: (v if k == "out" or k in written else one(v)) for k, v in kwargs.items()} if kwargs else {}
 
 
 def _cast_once(tensor: torch.Tensor, convert, casts: dict) -> torch.Tensor:

@@ -21,7 +21,8 @@ from graphamp.passes.marks import MARK, OpMark, mark_of
 from graphamp.passes.number_range import ConstantsBeyondRange, clamp_scalars_to_range
 from graphamp.policy.aten_ops import (
     FP32_ACCUMULATING_OPS, MODEL_CAST_OPS, NORM_OPS, RESHAPE_OPS, SAME_DTYPE_OPS, TRACE_ASSERTS, VIEW_OPS,
-    argument_value, has_explicit_float_dtype, norm_parameter_inputs, set_argument, viewed_input, written_inputs,
+    argument_value, functional_of_out_call, has_explicit_float_dtype, norm_parameter_inputs, set_argument,
+    viewed_input, written_inputs,
 )
 from graphamp.policy.cast_rule import cannot_run_fix, cast_target, decides_dtype
 from graphamp.policy.config import AmpConfig, is_normalization_module
@@ -238,6 +239,9 @@ class _CastPass:
     # -- visiting ------------------------------------------------------------------------------------------
     def _visit_op(self, node: Node) -> None:
         decision = mark_of(node).decision
+        if decision in (WHITE, BLACK) and (functional := functional_of_out_call(node)) is not None:
+            self._computed_then_copied(node, functional)
+            return
         mutated = written_inputs(node)
         left_alone = mutated | norm_parameter_inputs(node)
         floats = [n for n in node.all_input_nodes if _is_castable(n) and n not in left_alone]
@@ -307,6 +311,26 @@ class _CastPass:
             for cast in casts_down:
                 cast.replace_all_uses_with(cast.args[0])
                 self._erase_cast(cast)
+
+    def _computed_then_copied(self, node: Node, functional) -> None:
+        """`torch.mm(a, b, out=buffer)`: the op runs in its listed dtype and its result is copied into the buffer,
+        which keeps the dtype the code gave it (as auto_cast runs it, eager_policy.py); the out= kernel itself would
+        refuse inputs of another dtype than the buffer's."""
+        out_argument = next(a for a in op_schema(node.target).arguments if a.is_out)
+        buffer = argument_value(node, out_argument)
+        kwargs = {k: v for k, v in node.kwargs.items() if k != out_argument.name}
+        with self.graph.inserting_before(node):
+            result = self.graph.call_function(functional, node.args, kwargs)
+            copied = self.graph.call_function(aten.copy_.default, (buffer, result))
+        for made in (result, copied):
+            made.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+            made.meta["val"] = self._run_on_fake_values(made)
+            self._mark(made, mark_of(node) if made is result else self._decide(made))
+        node.replace_all_uses_with(copied)
+        self.graph.erase_node(node)
+        self.report.decisions[mark_of(node).decision] -= 1  # counted once, as `result`
+        self._visit_op(result)
+        self._visit_op(copied)
 
     def _fp32_inside_the_kernel(self, node: Node, floats: list[Node]) -> str | None:
         """How a black op can read its low inputs as they are and compute in FP32 inside, with no cast kernel:

@@ -15,7 +15,7 @@ from graphamp.torch_private import op_schema
 
 __all__ = [
     "FP32_ACCUMULATING_OPS", "MODEL_CAST_OPS", "NORM_OPS", "RESHAPE_OPS", "SAME_DTYPE_OPS", "TRACE_ASSERTS",
-    "VIEW_OPS", "argument_value", "draws_random_numbers", "has_explicit_float_dtype",
+    "VIEW_OPS", "argument_value", "draws_random_numbers", "functional_of_out_call", "has_explicit_float_dtype",
     "norm_parameter_inputs", "set_argument", "viewed_input", "written_inputs",
 ]
 
@@ -99,6 +99,22 @@ def viewed_input(node: Node) -> Node | None:
 def written_inputs(node: Node) -> set[Node]:
     """The inputs an op writes into in place (`relu_`'s self, `add_`'s self, an `out=` tensor)."""
     return _inputs_where(node, lambda argument: argument.alias_info is not None and argument.alias_info.is_write)
+
+
+def functional_of_out_call(node: Node):
+    """For a call that writes its result into one `out=` tensor (`mm.out`, `addmm.out`): the overload that returns it
+    instead (`mm.default`), taking the same other arguments; None for any other call."""
+    schema = op_schema(node.target)
+    outs = [a for a in schema.arguments if a.is_out]
+    if len(outs) != 1 or len(schema.returns) != 1:
+        return None
+    inputs = [a.name for a in schema.arguments if not a.is_out]
+    packet = node.target.overloadpacket
+    for overload in packet.overloads():
+        candidate = getattr(packet, overload)
+        if [a.name for a in op_schema(candidate).arguments] == inputs and not op_schema(candidate).is_mutable:
+            return candidate
+    return None
 
 
 def norm_parameter_inputs(node: Node) -> set[Node]:
