@@ -7,6 +7,7 @@ BAD_COMMANDS (a `graphamp` command line, its exit status, a regex of its stderr)
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import os
@@ -569,3 +570,33 @@ def test_no_plain_value_error_is_raised_to_users():
         and getattr(node.exc.func, "id", None) in ("ValueError", "TypeError", "RuntimeError")
     ]
     assert plain == []
+
+
+def function_kept_fp32_by_its_author():
+    """apex and xformers keep a fused op FP32 with torch.amp.custom_fwd(cast_inputs=torch.float32)."""
+
+    class MatmulKeptFloat32ByItsAuthor(torch.autograd.Function):
+        @staticmethod
+        @torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
+        def forward(ctx, a, b):
+            return a @ b
+
+    return MatmulKeptFloat32ByItsAuthor
+
+
+@pytest.mark.parametrize("entry_point", ["rewrite", "export_program", "auto_cast"])
+def test_a_function_declaring_custom_fwd_cast_inputs_is_named_with_the_fix(entry_point, bf16):
+    """The decorator casts only while torch.autocast is on, which graphamp never turns on, and no graph or function
+    mode can tell its calls: graphamp says so at each entry point, naming the Function and the fix. The Function
+    lives for this test only: loaded, it is warned of at every entry point, which other tests would see."""
+    function = function_kept_fp32_by_its_author()
+    try:
+        with pytest.warns(UserWarning, match=r"MatmulKeptFloat32ByItsAuthor \(cast_inputs=torch.float32\).*black"):
+            if entry_point == "auto_cast":  # lists not used before: auto_cast looks once per lists
+                graphamp.auto_cast(graphamp.AutoMixedPrecisionLists(dtype="bfloat16", custom_black_list=["softplus"]))
+            else:
+                getattr(graphamp, entry_point)(nn.Linear(4, 4), (torch.randn(2, 4),), amp_lists=bf16)
+    finally:
+        del function
+        gc.collect()  # a class lives in reference cycles: collected, it leaves Function.__subclasses__()
+    assert "MatmulKeptFloat32ByItsAuthor" not in {c.__name__ for c in torch.autograd.Function.__subclasses__()}

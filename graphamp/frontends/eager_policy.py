@@ -35,7 +35,7 @@ from graphamp.errors import ArgumentError, DoubleAmpError, GraphampError, Rewrit
 from graphamp.frontends.low_storage import LowStorageTensor, stored_values
 from graphamp.policy.aten_ops import NORM_OPS, SAME_DTYPE_OPS
 from graphamp.policy.cast_rule import cannot_run_fix, cast_target, decides_dtype
-from graphamp.policy.config import AmpConfig, check_level, is_normalization_module
+from graphamp.policy.config import AmpConfig, check_level, is_normalization_module, warn_of_custom_fwd_casts
 from graphamp.policy.dtypes import HALF_DTYPES, dtype_name
 from graphamp.policy.kernel_support import runs_low_on
 from graphamp.policy.lists import BLACK, GRAY, WHITE, AutoMixedPrecisionLists, Decision
@@ -701,6 +701,8 @@ def auto_cast(amp_lists: AutoMixedPrecisionLists | None = None, level: str = "O1
         raise ArgumentError(f"auto_cast(enabled={enabled!r}): pass True or False.")
     check_level(level)
     config = AmpConfig(amp_lists if amp_lists is not None else AutoMixedPrecisionLists(), level)
+    if config not in _RULES:  # once per lists: the scan costs ~1 ms, and a loop enters auto_cast every step
+        warn_of_custom_fwd_casts("auto_cast")
     if model is None and config.lists.black_modules:
         warnings.warn(
             f"auto_cast(): the lists' black-module patterns ({', '.join(p.name for p in config.lists.black_modules)}) "

@@ -5,6 +5,8 @@ and the doctor's probe read and never change (torch.ao's QConfigMapping is the m
 
 from __future__ import annotations
 
+import inspect
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -17,7 +19,7 @@ from graphamp.torch_private import NormBase
 
 __all__ = [
     "LEVELS", "AmpConfig", "check_entry_arguments", "check_level", "check_master_weights", "is_normalization_module",
-    "refuse_half_parameters",
+    "refuse_half_parameters", "warn_of_custom_fwd_casts",
 ]
 
 # O1: the lists decide each op. O2: every op but the black ones runs low, normalization parameters stay FP32.
@@ -95,9 +97,37 @@ def check_entry_arguments(
     check_master_weights(model)
     check_dtype_runs_on(next((p.device for p in model.parameters()), None), config.dtype, compile)
     config.lists.warn_unmatched_black_modules(model)
+    warn_of_custom_fwd_casts(entry_point)
     if not isinstance(example_args, tuple):
         example_args = (example_args,)
     return example_args, dict(example_kwargs or {}), config
+
+
+# The wrapper torch.amp.custom_fwd puts around a Function's forward, told by its code object.
+_CUSTOM_FWD_CODE = torch.amp.custom_fwd(lambda ctx: None, device_type="cpu").__code__
+
+
+def warn_of_custom_fwd_casts(entry_point: str) -> None:
+    """Say which loaded autograd.Functions declare `torch.amp.custom_fwd(cast_inputs=...)`: the decorator casts only
+    while torch.autocast is on, which graphamp never turns on, and their calls cannot be told apart in a graph or by
+    a function mode (Function.apply reaches neither). Their bodies follow the lists instead."""
+    found, classes = [], list(torch.autograd.Function.__subclasses__())
+    while classes:
+        cls = classes.pop()
+        classes += cls.__subclasses__()
+        forward = inspect.getattr_static(cls, "forward", None)
+        forward = getattr(forward, "__func__", forward)
+        if getattr(forward, "__code__", None) is _CUSTOM_FWD_CODE:
+            cast_inputs = inspect.getclosurevars(forward).nonlocals.get("cast_inputs")
+            if cast_inputs is not None:
+                found.append(f"{cls.__module__}.{cls.__qualname__} (cast_inputs={cast_inputs})")
+    if found:
+        warnings.warn(
+            f"{entry_point}(): {', '.join(sorted(found))} declare torch.amp.custom_fwd(cast_inputs=...), which casts "
+            f"only under torch.autocast; under graphamp the ops inside follow the lists. To keep one FP32, put the "
+            f"module that calls it on custom_black_modules, or its ops on custom_black_list.",
+            stacklevel=3,
+        )
 
 
 def check_master_weights(model: nn.Module) -> None:
