@@ -20,6 +20,7 @@ from torch import nn
 import graphamp
 from conftest import CompiledCodeRecorder
 from graphamp.frontends.rewrite import TORCH_ISOLATES_RECOMPILES
+from graphamp.inspection.recording import DtypeRecorder, floating, recording_inside
 from graphamp.passes.marks import mark_of
 from encoder_models import ENCODERS
 from models import VOCAB, Broken, bert, deberta_v2, gpt2, llama, token_batch
@@ -360,6 +361,79 @@ def test_a_pattern_that_matches_no_module_warns_under_the_backend(bf16):
 def test_a_pattern_that_matches_no_module_warns_at_rewrite(bf16):
     with pytest.warns(UserWarning, match="'dwon' matches no module of QuantizedMLP"):
         graphamp.rewrite(QuantizedMLP(), amp_lists=bf16.with_changes(black_modules=["dwon"]))
+
+
+class SharedUnderTwoNames(nn.Module):
+    """`shared` registered as `a` and as `b` (named_modules() lists it once, as `a`); forward calls it as `b`."""
+
+    def __init__(self, shared: nn.Module, head: nn.Module):
+        super().__init__()
+        self.a = shared
+        self.b = self.a
+        self.head = head
+
+    def forward(self, x):
+        return self.head(self.b(x))
+
+
+class TiedEmbedding(nn.Module):
+    """Weight tying shares a Parameter, not a module: the head is a module of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.head = nn.Linear(16, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, input_ids):
+        return self.head(self.embed(input_ids).relu())
+
+
+def matmul_dtypes(front_end: str, model: nn.Module, x: torch.Tensor, lists) -> list[set]:
+    """The floating input dtypes of each matmul kernel the model's forward ran under `front_end`, in order."""
+    recorder = CompiledCodeRecorder() if front_end == "rewrite" else DtypeRecorder()
+    if front_end == "rewrite":
+        graphamp.rewrite(model, amp_lists=lists)
+        with recorder:
+            model(x)
+    elif front_end == "export":
+        program = graphamp.export_program(model, (x,), amp_lists=lists)
+        with recorder:
+            program.module()(x)
+    elif front_end == "backend":  # a plain recorder around the call would make dynamo run it eagerly
+        amp_backend = graphamp.backend(lists, inductor=False, model=model)
+        torch.compile(model, backend=recording_inside(amp_backend, recorder))(x)
+    else:
+        with recorder, graphamp.auto_cast(lists, model=model):
+            model(x)
+    return [floating(call.in_dtypes) for call in recorder.calls_of("addmm", "mm")]
+
+
+ALIAS_FRONT_ENDS = ["rewrite", "export", "backend", "auto_cast"]
+
+
+@pytest.mark.parametrize("front_end", ALIAS_FRONT_ENDS)
+@pytest.mark.parametrize("pattern", ["a", "b"])
+def test_a_module_shared_under_two_names_is_kept_fp32_by_either_name(bf16, front_end, pattern):
+    model, lists = SharedUnderTwoNames(nn.Linear(16, 8), nn.Linear(8, 4)), bf16.with_changes(black_modules=[pattern])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", ".*matches no module")  # the pattern names a module of the model
+        dtypes = matmul_dtypes(front_end, model, torch.randn(2, 16), lists)
+    assert dtypes == [{torch.float32}, {torch.bfloat16}]  # the shared Linear, then the head
+
+
+@pytest.mark.parametrize("front_end", ALIAS_FRONT_ENDS)
+def test_a_pattern_under_one_name_of_a_shared_block_keeps_its_submodules_fp32(bf16, front_end):
+    block = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    lists = bf16.with_changes(black_modules=["a.*"])
+    dtypes = matmul_dtypes(front_end, SharedUnderTwoNames(block, nn.Linear(16, 4)), torch.randn(2, 16), lists)
+    assert dtypes == [{torch.float32}, {torch.float32}, {torch.bfloat16}]  # b.0 and b.2, then the head
+
+
+@pytest.mark.parametrize("front_end", ALIAS_FRONT_ENDS)
+def test_a_black_embedding_leaves_the_head_tied_to_its_weight_low(bf16, front_end):
+    lists = bf16.with_changes(black_modules=["embed"])
+    assert matmul_dtypes(front_end, TiedEmbedding(), token_batch(), lists) == [{torch.bfloat16}]
 
 
 # -- torch.compile's own arguments arrive --------------------------------------------------------------------------

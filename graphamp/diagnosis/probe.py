@@ -115,6 +115,7 @@ class Probe:
     def __init__(self, model, example_args, example_kwargs, level="O1", loss_fn=None, loss_scaling=1.0, dynamic=False,
                  *, promote_ops: frozenset[str]):
         kwargs = dict(example_kwargs or {})
+        self.model = model  # its module paths: a shared module's ops are black by any of its names
         self.level = level
         self.loss_fn = loss_fn
         self.loss_scaling = float(loss_scaling)
@@ -151,7 +152,8 @@ class Probe:
     def rewritten(self, amp_lists: AutoMixedPrecisionLists) -> GraphModule:
         """A copy of the captured graph with the cast pass run on it by `amp_lists`."""
         graph_module = copy.deepcopy(self.graph_module)
-        insert_casts(graph_module, AmpConfig(amp_lists, self.level), parameters=self._parameter_placeholders)
+        config = AmpConfig(amp_lists, self.level).for_model(self.model)
+        insert_casts(graph_module, config, parameters=self._parameter_placeholders)
         return graph_module
 
     # -- runs ----------------------------------------------------------------------------------------------

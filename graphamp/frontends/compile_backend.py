@@ -119,7 +119,7 @@ class AmpBackend:
         self.graphs: list[BackendGraph] = []
         self.graph_runs = 0  # every run of every graph: rewrite() tells a call that ran none of them
         self._link = None  # () -> the linked GraphRunner, or None
-        self._module_paths = ModulePaths(config.lists, model)
+        self._module_paths = ModulePaths(config, model)
         configure_dynamo()
 
     @property
@@ -202,7 +202,7 @@ class AmpBackend:
         original_code = aten_graph.print_readable(print_output=False)
         timings["lower to ATen"] = time.perf_counter() - start
         start = time.perf_counter()
-        report = run_passes(aten_graph, self.config, frozenset(paths.state), timings, outputs_stay_low=True)
+        report = run_passes(aten_graph, paths.config, frozenset(paths.state), timings, outputs_stay_low=True)
         timings["passes"] = time.perf_counter() - start
         graph = BackendGraph(aten_graph, report, original_code, paths.state, timings)
         self.graphs.append(graph)
@@ -246,7 +246,7 @@ class AmpBackend:
     def __getstate__(self) -> dict:
         """A pickled backend (torch.save of a compiled model) keeps its configuration; graphs and link are remade."""
         return {**self.__dict__, "graphs": [], "graph_runs": 0, "_link": None,
-                "_module_paths": ModulePaths(self.config.lists)}
+                "_module_paths": ModulePaths(self.config)}
 
     def __repr__(self) -> str:
         return (

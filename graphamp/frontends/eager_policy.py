@@ -599,8 +599,9 @@ class ModelFacts:
         if model is None:
             return
         if config.lists.black_modules:
+            kept = config.lists.black_modules_in(model)
             for path, module in model.named_modules(remove_duplicate=False):
-                pattern = config.lists.black_module_for(path)
+                pattern = kept.get(path)
                 if pattern is not None:
                     self.black_modules[id(module)] = pattern.source
                     forward = module.forward

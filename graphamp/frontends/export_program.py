@@ -56,7 +56,8 @@ def export_program(
     refuse_outer_autocast(
         pytree.tree_leaves((args, kwargs)), f"graphamp.export_program() of {type(model).__name__} was called"
     )
-    return rewrite_program(capture_program(model, args, kwargs, dynamic, config.lists.promote_ops), config)
+    program = capture_program(model, args, kwargs, dynamic, config.lists.promote_ops)
+    return rewrite_program(program, config.for_model(model))  # a shared module is black by any of its names
 
 
 def rewrite_program(program: ExportedProgram, config) -> ExportedProgram:

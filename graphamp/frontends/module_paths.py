@@ -13,7 +13,7 @@ import torch
 from torch.fx import GraphModule
 
 from graphamp.errors import CaptureError
-from graphamp.policy.lists import AutoMixedPrecisionLists
+from graphamp.policy.config import AmpConfig
 
 __all__ = ["GraphPaths", "ModulePaths", "module_fqn"]
 
@@ -51,10 +51,12 @@ def state_placeholders(gm: GraphModule, aten_graph: GraphModule) -> dict[str, st
 
 @dataclass(frozen=True)
 class GraphPaths:
-    """One graph's state placeholders with their model paths, and the check to run before each of its runs."""
+    """One graph's state placeholders with their model paths, the config its ops are decided by, and the check to
+    run before each of its runs."""
 
     state: dict[str, str]  # placeholder name -> the parameter's or buffer's path in the model
     reuse_check: object  # None, or a function of the run's arguments that raises CaptureError
+    config: AmpConfig  # with the model's module paths (AmpConfig.for_model) where the model is known
 
 
 class ModulePaths:
@@ -66,12 +68,12 @@ class ModulePaths:
     attribute at the front (DDP's `module.`) is dropped.
     """
 
-    def __init__(self, lists: AutoMixedPrecisionLists, model: torch.nn.Module | None = None):
-        self._lists = lists
+    def __init__(self, config: AmpConfig, model: torch.nn.Module | None = None):
+        self._config = config
         self._model = weakref.ref(model) if model is not None else None  # the backend must not keep it alive
         self._seen: set[str] = set()  # the model paths of every graph so far
         # rewrite() checks the patterns against the model itself; compiled alone, after a whole call (see below).
-        self._patterns_checked = model is not None or not lists.black_modules
+        self._patterns_checked = model is not None or not config.lists.black_modules
 
     def name_graph(self, gm: GraphModule, aten_graph: GraphModule, example_inputs: list) -> GraphPaths:
         """Write the model's paths into `aten_graph`'s nodes (dynamo's `gm` says which placeholders are state)."""
@@ -80,9 +82,12 @@ class ModulePaths:
         to_model_path = self.resolver(state, dict(zip(placeholders, example_inputs)))
         relative_paths = _rename_module_paths(aten_graph, to_model_path)
         self._seen |= {to_model_path(path) for path in relative_paths}
+        model = self._model() if self._model is not None else None
+        config = self._config.for_model(model) if model is not None else self._config
         return GraphPaths(
             {name: to_model_path(path) for name, path in state.items()},
-            self._reuse_check(state, placeholders, example_inputs, relative_paths, to_model_path),
+            self._reuse_check(state, placeholders, example_inputs, relative_paths, to_model_path, config),
+            config,
         )
 
     def graph_ran(self, runs: int) -> None:
@@ -111,15 +116,14 @@ class ModulePaths:
         return _without_wrappers
 
     def _reuse_check(self, state: dict[str, str], placeholders: list[str], example_inputs: list,
-                     relative_paths: set[str], to_model_path):
+                     relative_paths: set[str], to_model_path, config: AmpConfig):
         """For a graph whose module paths were resolved against the model: a check, before each run, that dynamo
         does not reuse it for a twin block (blocks compiled one at a time share a graph) that the black-module
         patterns decide otherwise, which would run that block with this one's dtypes."""
-        lists = self._lists
-        if not lists.black_modules or self._model is None or not state:
+        if not config.lists.black_modules or self._model is None or not state:
             return None
         first = placeholders.index(next(iter(state)))
-        decided = {path: lists.black_module_for(to_model_path(path)) for path in relative_paths}
+        decided = {path: config.black_module_for(to_model_path(path)) for path in relative_paths}
         seen = {id(example_inputs[first])}
 
         def check(args):
@@ -128,7 +132,7 @@ class ModulePaths:
             seen.add(id(args[first]))
             other = self.resolver(state, dict(zip(placeholders, args)))
             for path, pattern in decided.items():
-                if (lists.black_module_for(other(path)) is None) != (pattern is None):
+                if (config.black_module_for(other(path)) is None) != (pattern is None):
                     raise CaptureError(
                         f"dynamo reuses the graph it compiled for '{to_model_path(path)}' for '{other(path)}' "
                         f"(identical blocks compiled one at a time share one graph), but the black-module patterns "
@@ -143,12 +147,13 @@ class ModulePaths:
         """A black-module pattern that matched no module of any graph keeps nothing in FP32: say so once."""
         self._patterns_checked = True
         paths = sorted(self._seen)
-        for pattern, close in self._lists.unmatched_black_modules(paths):
+        for pattern, close in self._config.lists.unmatched_black_modules(paths):
             hint = f"closest module paths: {', '.join(close)}" if close else f"paths seen: {', '.join(paths[:5])}"
             warnings.warn(
                 f"{pattern.source}: black-module pattern '{pattern.name}' matches no module of the graphs "
                 f"torch.compile captured, so it keeps nothing in FP32 ({hint}). Module paths here are those of "
-                f"the module torch.compile got; graphamp.rewrite(model) matches them against the whole model.",
+                f"the module torch.compile got; graphamp.rewrite(model) matches them against the whole model "
+                f"(a module shared under two names by either).",
                 stacklevel=4,
             )
 

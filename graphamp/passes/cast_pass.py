@@ -214,7 +214,7 @@ class _CastPass:
             return OpMark(Decision.EXPLICIT_CAST, "model", module)
         if self.fp32_region:
             return OpMark(Decision.EXPLICIT_CAST, MODEL_FP32_REGION, module)
-        pattern = self.config.lists.black_module_for(module)
+        pattern = self.config.black_module_for(module)
         if pattern is not None:
             return OpMark(BLACK, pattern.source, module)
         entry = self.config.lists.classify(op)
@@ -377,7 +377,7 @@ class _CastPass:
                     readers.extend(reader.users)
             elif reader.target in RESHAPE_OPS or reader.target in VIEW_OPS:
                 readers.extend(reader.users)
-            elif not isinstance(reader.target, OpOverload) or self.config.lists.black_module_for(module_path(reader)):
+            elif not isinstance(reader.target, OpOverload) or self.config.black_module_for(module_path(reader)):
                 return False
             else:
                 entry = self.config.lists.classify(reader.target)

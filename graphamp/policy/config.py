@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
 
 from graphamp.errors import ArgumentError
 from graphamp.policy.dtypes import HALF_DTYPES, check_dtype_runs_on, dtype_name
-from graphamp.policy.lists import AutoMixedPrecisionLists
+from graphamp.policy.lists import AutoMixedPrecisionLists, ListEntry
 from graphamp.torch_private import NormBase
 
 __all__ = [
@@ -29,10 +30,13 @@ _NORM_MODULE_TYPES = (NormBase, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 
 @dataclass(frozen=True)
 class AmpConfig:
-    """What decides each op's dtype: the lists (with their dtype) and the level."""
+    """What decides each op's dtype: the lists (with their dtype), the level and, where the model is known
+    (for_model), the black-module patterns' decision on each of its module paths."""
 
     lists: AutoMixedPrecisionLists
     level: str = "O1"
+    # Not compared or hashed: the eager rules (rules_for) are cached by config and do not depend on it.
+    black_module_paths: Mapping[str, ListEntry] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.lists, AutoMixedPrecisionLists):
@@ -42,6 +46,14 @@ class AmpConfig:
     @property
     def dtype(self) -> torch.dtype:
         return self.lists.dtype
+
+    def for_model(self, model: nn.Module) -> AmpConfig:
+        """This config with `model`'s module paths decided (lists.black_modules_in), for a graph of it."""
+        return replace(self, black_module_paths=self.lists.black_modules_in(model))
+
+    def black_module_for(self, module_path: str) -> ListEntry | None:
+        """The pattern that keeps the module at `module_path` FP32 by any of its names in the model, if any."""
+        return self.black_module_paths.get(module_path) or self.lists.black_module_for(module_path)
 
 
 def _not_lists(amp_lists, argument: str) -> ArgumentError:

@@ -368,6 +368,16 @@ class AutoMixedPrecisionLists:
                 return pattern
         return None
 
+    def black_modules_in(self, model: torch.nn.Module) -> dict[str, ListEntry]:
+        """{path: pattern} for every path of `model` whose module a pattern keeps FP32 by any of its paths: a module
+        registered under two names (`self.b = self.a`) is one module, whichever name the code calls it by."""
+        named = list(model.named_modules(remove_duplicate=False)) if self.black_modules else []
+        kept = {}
+        for path, module in named:
+            if (pattern := self.black_module_for(path)) is not None:
+                kept.setdefault(id(module), pattern)
+        return {path: kept[id(module)] for path, module in named if id(module) in kept}
+
     def describe(self) -> str:
         """Every effective entry with its source, one a line, grouped white/black/gray."""
         lines = [f"AutoMixedPrecisionLists(dtype={self.dtype_name}, lists_dir={self.lists_dir})"]
