@@ -14,7 +14,9 @@ import torch.distributed as dist
 from graphamp.errors import ArgumentError, LossScalingError
 from graphamp.frontends.rewrite import amp_states, rewritten_models
 from graphamp.policy.dtypes import HALF_DTYPES, dtype_name, resolve_dtype
-from graphamp.training.in_graph_scaling import CheckedGradients, ScalingFactors, run_scaled, scaling_factors
+from graphamp.training.in_graph_scaling import (
+    CheckedGradients, ScalingFactors, factors_read_from, run_scaled, scaling_factors,
+)
 from graphamp.training.loss_scaler import LossScaler
 from graphamp.torch_private import fused_step_takes_loss_scaling, sparse_values, tensor_version
 
@@ -488,7 +490,21 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
         scaling = self._iteration.scaling
         if device not in scaling:  # as of the iteration's first graph run: the scale changes only at its step()
             scaling[device] = scaling_factors(self.loss_scaler.state_on(device))
-        return run_scaled(run, list(args), scaling[device], self._iteration.checks)
+        return run_scaled(run, list(args), self._factors_for(args, scaling[device]), self._iteration.checks)
+
+    def _factors_for(self, args: tuple, own: ScalingFactors) -> ScalingFactors:
+        """The factors of a graph run that reads the outputs of a model linked to another loss scaler (a GAN's
+        discriminator reading the generator's): that scaler's, so that a loss taken through this model into that
+        one is scaled by that model's scale all the way, as its own GradScaler would scale it. Else its own."""
+        mine = [id(f) for f in self._iteration.scaling.values()]
+        others = [f for f in factors_read_from(args) if id(f) not in mine]
+        if len(others) > 1:
+            raise LossScalingError(
+                "a graph reads the outputs of models linked to different loss scalers, so its backward has no one "
+                "scale to run at. Fix: decorate their optimizers in one call, so that they share one scale: "
+                'graphamp.decorate([opt_g, opt_d], lists, model=nn.ModuleDict({"G": G, "D": D})).'
+            )
+        return others[0] if others else own
 
     def _check_true_gradients(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """``found_inf`` of gradients that hold no scaling (in-graph scaling, or a scale fixed at 1.0): the graphs'
