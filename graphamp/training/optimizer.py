@@ -226,6 +226,7 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
         self._stage = _Stage.READY
         self._found_inf: torch.Tensor | None = None
         self._skipped_steps: torch.Tensor | None = None
+        self._last_step_skipped: torch.Tensor | None = None  # the found_inf of the last step()
         # After opt.backward(loss), each gradient's version counter: an in-place change since (clip_grad_norm_ before
         # unscale_()) would clip the scaled gradients, which step() would then unscale into a wrong update.
         self._scaled_versions: dict[int, tuple[torch.Tensor, int]] = {}
@@ -398,6 +399,7 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
         return losses[0] if losses else None
 
     def _finish_step(self) -> None:
+        self._last_step_skipped = self._found_inf
         if self._found_inf is not None:
             if self._skipped_steps is None:
                 self._skipped_steps = torch.zeros((), dtype=torch.float32, device=self._found_inf.device)
@@ -522,6 +524,12 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
     def found_inf(self) -> bool:
         """Whether this optimizer's gradients held inf/NaN at its last step or unscale_() (one host sync)."""
         return self._found_inf is not None and bool(self._found_inf.item())
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last ``step()`` was skipped for inf/NaN gradients (one host sync): accelerate's name, read by
+        ``AppliedStepsScheduler``."""
+        return self._last_step_skipped is not None and bool(self._last_step_skipped.item())
 
     @property
     def skipped_steps(self) -> int:
