@@ -22,9 +22,11 @@ from graphamp.passes.cast_pass import RewriteReport
 from graphamp.policy.lists import AutoMixedPrecisionLists, Decision
 from graphamp.training.loss_scaler import LossScaler
 from graphamp.training.optimizer import OptimizerWithMixedPrecision, decorate
+from graphamp.training.scheduler import AppliedStepsScheduler
 
 __all__ = [
     "AmpBackend",
+    "AppliedStepsScheduler",
     "ArgumentError",
     "AutoListsResult",
     "AutoMixedPrecisionLists",

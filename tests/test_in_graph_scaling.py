@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import warnings
 
 import pytest
@@ -589,6 +591,82 @@ def test_the_latest_decorate_over_a_models_parameters_wins(fp16):
     assert second.skipped_steps == 0
     with pytest.raises(LossScalingError, match="without a scaled backward"):
         first.step()
+
+
+# -- models linked to different loss scalers -------------------------------------------------------------------------
+
+
+def mlp(inputs: int, outputs: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(inputs, 16), nn.ReLU(), nn.Linear(16, outputs))
+
+
+def gan_losses(G, D, backward_and_step, steps: int, amp=contextlib.nullcontext) -> list[float]:
+    """A GAN's loop: D's step on detached fakes, then G's step, whose loss goes through D."""
+    bce, data = F.binary_cross_entropy_with_logits, torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        z, real = torch.randn(4, 8, generator=data), torch.randn(4, 4, generator=data) + 1
+        with amp():
+            fake = G(z)
+            loss_d = bce(D(real).float(), torch.ones(4, 1)) + bce(D(fake.detach()).float(), torch.zeros(4, 1))
+        backward_and_step("D", loss_d)
+        with amp():
+            loss_g = bce(D(G(z)).float(), torch.ones(4, 1))
+        backward_and_step("G", loss_g)
+        losses += [loss_d.item(), loss_g.item()]
+    return losses
+
+
+def test_a_loss_through_a_model_of_another_loss_scaler_is_scaled_as_its_own_grad_scaler_would(fp16):
+    """G's loss goes through D, whose scale (2^24) overflows D's float16 backward: G's own (16) scales it all the
+    way, as a GradScaler for G's loss does. Only D's steps are skipped; G trains."""
+    scales, steps = {"G": 16.0, "D": 2.0**24}, 2
+    torch.manual_seed(0)
+    G, D = mlp(8, 4), mlp(4, 1)
+    eager = {"G": copy.deepcopy(G), "D": copy.deepcopy(D)}
+    models = {"G": graphamp.rewrite(G, amp_lists=fp16), "D": graphamp.rewrite(D, amp_lists=fp16)}
+    opts = {name: graphamp.decorate(torch.optim.Adam(m.parameters(), lr=1e-2), fp16, model=m,
+                                    init_loss_scaling=scales[name]) for name, m in models.items()}
+    eager_opts = {name: torch.optim.Adam(m.parameters(), lr=1e-2) for name, m in eager.items()}
+    scalers = {name: torch.amp.GradScaler("cpu", init_scale=scale) for name, scale in scales.items()}
+
+    def linked_step(name, loss):
+        loss.backward()
+        opts[name].step()
+        for opt in opts.values():
+            opt.zero_grad()
+
+    def grad_scaler_step(name, loss):
+        scalers[name].scale(loss).backward()
+        scalers[name].step(eager_opts[name])
+        scalers[name].update()
+        for opt in eager_opts.values():
+            opt.zero_grad()
+
+    losses = gan_losses(G, D, linked_step, steps)
+    autocast = functools.partial(torch.autocast, "cpu", dtype=torch.float16)
+    assert losses == gan_losses(eager["G"], eager["D"], grad_scaler_step, steps, autocast)
+    assert (opts["G"].skipped_steps, opts["D"].skipped_steps) == (0, steps)
+    assert [opts[n].get_loss_scaling() for n in scales] == [scalers[n].get_scale() for n in scales] == [16, 2**22]
+    for name in scales:
+        for a, b in zip(models[name].parameters(), eager[name].parameters()):
+            assert relative_error(a, b) < 1e-6
+
+
+def test_a_graph_reading_models_of_two_other_loss_scalers_is_refused_with_the_fix(fp16):
+    torch.manual_seed(0)
+    a, b, head = (graphamp.rewrite(m, amp_lists=fp16) for m in (mlp(8, 4), mlp(8, 4), mlp(4, 1)))
+    linked = [graphamp.decorate(torch.optim.SGD(m.parameters(), lr=0.1), fp16, model=m) for m in (a, b, head)]
+    x = torch.randn(4, 8)
+    with pytest.raises(LossScalingError, match="different loss scalers.*decorate their optimizers in one call"):
+        head(a(x) + b(x))
+
+    opts = graphamp.decorate([torch.optim.SGD(m.parameters(), lr=0.1) for m in (a, b, head)], fp16, 2.0**10,
+                             model=nn.ModuleDict({"a": a, "b": b, "head": head}))
+    head(a(x) + b(x)).float().mean().backward()
+    for opt in opts:
+        opt.step()
+    assert [opt.skipped_steps for opt in opts] == [0, 0, 0] and len(linked) == 3
 
 
 # -- on a GPU -------------------------------------------------------------------------------------------------------

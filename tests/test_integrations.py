@@ -193,6 +193,46 @@ def test_trainer_logs_the_true_gradient_norm_in_float16(tmp_path, fp16):
     assert relative_error(torch.tensor(float(logged)), true_norm) < 2e-2
 
 
+def skipping_first_step(model, fp16):
+    """A decorated optimizer whose first step overflows (scale 2^40) and is skipped; the scale then drops to 1024."""
+    return graphamp.decorate(torch.optim.SGD(model.parameters(), lr=1e-3), fp16, init_loss_scaling=2.0**40,
+                             decr_ratio=2.0**-30, model=model)
+
+
+def test_trainer_holds_the_lr_schedule_on_skipped_steps_with_applied_steps_scheduler(tmp_path, fp16):
+    """As the Trainer's own fp16 path: `if not accelerator.optimizer_step_was_skipped: lr_scheduler.step()`."""
+    model = quiet_rewrite(llama(), fp16)
+    opt = skipping_first_step(model, fp16)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (1 + step))
+    trainer = transformers.Trainer(
+        model=model, args=trainer_arguments(tmp_path, max_steps=3, save_strategy="no"), train_dataset=TokenDataset(),
+        optimizers=(opt, graphamp.AppliedStepsScheduler(schedule, opt)), data_collator=collate_tensors,
+    )
+    trainer.train()
+    assert opt.skipped_steps == 1 and schedule.last_epoch == 2
+    assert opt.param_groups[0]["lr"] == 1e-3 / 3
+
+
+def test_accelerated_scheduler_holds_on_skipped_steps_with_applied_steps_scheduler(fp16, fresh_accelerator_state):
+    accelerate = pytest.importorskip("accelerate")
+    model = quiet_rewrite(llama(), fp16)
+    opt = skipping_first_step(model, fp16)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 / (1 + step))
+    accelerator = accelerate.Accelerator(cpu=True)
+    model, prepared_opt, prepared_schedule = accelerator.prepare(
+        model, opt, graphamp.AppliedStepsScheduler(schedule, opt)
+    )
+    rows = collate_tensors([TokenDataset()[i] for i in range(2)])
+    lrs = []
+    for step in range(2):
+        accelerator.backward(model(**rows).loss)
+        prepared_opt.step()
+        prepared_schedule.step()
+        prepared_opt.zero_grad()
+        lrs.append(prepared_schedule.get_last_lr()[0])
+    assert opt.skipped_steps == 1 and lrs == [1e-3, 1e-3 / 2]
+
+
 def test_trainer_resumes_from_its_checkpoint(tmp_path, bf16):
     model = quiet_rewrite(llama(), bf16)
     opt = graphamp.decorate(torch.optim.AdamW(model.parameters(), lr=1e-3), bf16)

@@ -20,7 +20,9 @@ from graphamp.frontends.low_storage import LowStorageTensor, stored_values, time
 from graphamp.training.loss_scaler import reciprocal_of
 from graphamp.torch_private import tensor_version
 
-__all__ = ["CheckedGradients", "ScalingFactors", "run_scaled", "scaling_factors", "times_present"]
+__all__ = [
+    "CheckedGradients", "ScalingFactors", "factors_read_from", "run_scaled", "scaling_factors", "times_present",
+]
 
 
 class ScalingFactors(NamedTuple):
@@ -34,6 +36,25 @@ class ScalingFactors(NamedTuple):
 
 def scaling_factors(scale: torch.Tensor) -> ScalingFactors:
     return ScalingFactors(scale.clone(), reciprocal_of(scale))
+
+
+def factors_read_from(inputs: list) -> list[ScalingFactors]:
+    """The factors of the scaled graph runs whose outputs `inputs` were computed from: on each path back through
+    autograd, the nearest such run (its `_ScaleGradients` node), past any eager ops between. Parameters and inputs
+    without history cost nothing; a graph break's next graph stops at the graph before it."""
+    found, seen = {}, set()
+    nodes = [t.grad_fn for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        factors = getattr(node, "factors", None)
+        if isinstance(factors, ScalingFactors):
+            found[id(factors)] = factors
+        else:
+            nodes.extend(next_node for next_node, _ in node.next_functions)
+    return list(found.values())
 
 
 def times_present(factor: torch.Tensor, grads) -> list:

@@ -14,7 +14,9 @@ import torch.distributed as dist
 from graphamp.errors import ArgumentError, LossScalingError
 from graphamp.frontends.rewrite import amp_states, rewritten_models
 from graphamp.policy.dtypes import HALF_DTYPES, dtype_name, resolve_dtype
-from graphamp.training.in_graph_scaling import CheckedGradients, ScalingFactors, run_scaled, scaling_factors
+from graphamp.training.in_graph_scaling import (
+    CheckedGradients, ScalingFactors, factors_read_from, run_scaled, scaling_factors,
+)
 from graphamp.training.loss_scaler import LossScaler
 from graphamp.torch_private import fused_step_takes_loss_scaling, sparse_values, tensor_version
 
@@ -224,6 +226,7 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
         self._stage = _Stage.READY
         self._found_inf: torch.Tensor | None = None
         self._skipped_steps: torch.Tensor | None = None
+        self._last_step_skipped: torch.Tensor | None = None  # the found_inf of the last step()
         # After opt.backward(loss), each gradient's version counter: an in-place change since (clip_grad_norm_ before
         # unscale_()) would clip the scaled gradients, which step() would then unscale into a wrong update.
         self._scaled_versions: dict[int, tuple[torch.Tensor, int]] = {}
@@ -396,6 +399,7 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
         return losses[0] if losses else None
 
     def _finish_step(self) -> None:
+        self._last_step_skipped = self._found_inf
         if self._found_inf is not None:
             if self._skipped_steps is None:
                 self._skipped_steps = torch.zeros((), dtype=torch.float32, device=self._found_inf.device)
@@ -488,7 +492,21 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
         scaling = self._iteration.scaling
         if device not in scaling:  # as of the iteration's first graph run: the scale changes only at its step()
             scaling[device] = scaling_factors(self.loss_scaler.state_on(device))
-        return run_scaled(run, list(args), scaling[device], self._iteration.checks)
+        return run_scaled(run, list(args), self._factors_for(args, scaling[device]), self._iteration.checks)
+
+    def _factors_for(self, args: tuple, own: ScalingFactors) -> ScalingFactors:
+        """The factors of a graph run that reads the outputs of a model linked to another loss scaler (a GAN's
+        discriminator reading the generator's): that scaler's, so that a loss taken through this model into that
+        one is scaled by that model's scale all the way, as its own GradScaler would scale it. Else its own."""
+        mine = [id(f) for f in self._iteration.scaling.values()]
+        others = [f for f in factors_read_from(args) if id(f) not in mine]
+        if len(others) > 1:
+            raise LossScalingError(
+                "a graph reads the outputs of models linked to different loss scalers, so its backward has no one "
+                "scale to run at. Fix: decorate their optimizers in one call, so that they share one scale: "
+                'graphamp.decorate([opt_g, opt_d], lists, model=nn.ModuleDict({"G": G, "D": D})).'
+            )
+        return others[0] if others else own
 
     def _check_true_gradients(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """``found_inf`` of gradients that hold no scaling (in-graph scaling, or a scale fixed at 1.0): the graphs'
@@ -506,6 +524,12 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
     def found_inf(self) -> bool:
         """Whether this optimizer's gradients held inf/NaN at its last step or unscale_() (one host sync)."""
         return self._found_inf is not None and bool(self._found_inf.item())
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last ``step()`` was skipped for inf/NaN gradients (one host sync): accelerate's name, read by
+        ``AppliedStepsScheduler``."""
+        return self._last_step_skipped is not None and bool(self._last_step_skipped.item())
 
     @property
     def skipped_steps(self) -> int:
