@@ -364,6 +364,20 @@ def test_an_unmatched_black_module_pattern_warns_on_export_program_too():
         graphamp.export_program(Head(), (x(),), amp_lists=lists)
 
 
+
+def test_an_unmatched_black_module_pattern_warns_on_auto_cast_once_per_lists():
+    """auto_cast(model=) is entered every step: it warns on the first entry with these lists, not on each."""
+    lists = bf16_lists(custom_black_modules=["lm_head"])
+    model = Head()
+    with pytest.warns(UserWarning, match=r"black-module pattern 'lm_head' matches no module of Head.*closest module "
+                                          r"paths: head"):
+        with graphamp.auto_cast(lists, model=model):
+            model(x())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*black-module pattern")
+        with graphamp.auto_cast(lists, model=model):
+            model(x())
+
 # -- rewrite()'s arguments of the export-based release --------------------------------------------------------
 
 # Each argument the export-based rewrite() had and torch.compile made moot, and words of what replaces it.
