@@ -85,8 +85,10 @@ def backend(
 def refuse_unknown_inductor_options(options: dict | None, argument: str) -> None:
     """torch.compile refuses an unknown inductor option at once; a backend of one's own gets it unchecked, and
     inductor would fail on it only at the first call, after the capture."""
+    if not options:
+        return
     known = inductor_options()
-    for key in (key for key in options or {} if key not in known):
+    for key in (key for key in options if key not in known):
         close = difflib.get_close_matches(str(key), known, n=3)
         fix = f"did you mean {', '.join(map(repr, close))}?" if close else "drop it."
         if key in GRAPHAMP_OPTIONS:
