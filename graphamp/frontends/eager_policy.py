@@ -91,8 +91,7 @@ class _Rule:
     decision: str  # a Decision
     source: str
     op: str  # the ATen op (packet) name
-    writes_first: bool  # an in-place op (add_): its first argument is written, never cast
-    written: frozenset  # the positions and names of every argument it writes (a custom op's mutates_args)
+    written: frozenset  # the positions and names of the arguments it writes, never cast (add_'s self: 0, 'self')
     norm: bool  # a normalization: only its first tensor is data, the rest are FP32 parameters
     dtype_argument: bool  # a black op that computes in float32 inside when passed dtype=float32 (softmax, sum)
     promotes: bool  # promote.txt: mixed inputs are cast to the widest
@@ -133,10 +132,10 @@ class _Rules:
             for overload in packet.overloads() for argument in op_schema(getattr(packet, overload)).arguments
         )
         written = _written_arguments(packet)
-        writes_first = name.endswith("_") and not name.startswith("_") or 0 in written
-        written |= {0} if writes_first else set()
+        if name.endswith("_") and not name.startswith("_"):  # in place, also for a packet torch.ops does not have
+            written.add(0)
         norm = name in NORM_OPS
-        return _Rule(decision, source, name, writes_first, frozenset(written), norm, dtype_argument,
+        return _Rule(decision, source, name, frozenset(written), norm, dtype_argument,
                      lists.promotes_packet(name), name in SAME_DTYPE_OPS, not (written or norm),
                      _keeps(decision, name, norm, self.config))
 
@@ -269,7 +268,7 @@ class EagerPolicy(TorchFunctionMode):
         rerun_checkpointed_region_as(self._under_this_policy)
         if rule is _FOLLOW:
             return self._follow(func, args, kwargs)
-        if rule.same_dtype and rule.writes_first and args and isinstance(args[0], torch.Tensor):
+        if rule.same_dtype and 0 in rule.written and args and isinstance(args[0], torch.Tensor):
             # buffer.index_copy_(0, i, source): the source in the buffer's dtype, as in a graph (cast_pass.py)
             args, kwargs = _map_inputs(args, kwargs, rule, self._caster(args[0].dtype, ()))
             return func(*args, **kwargs)

@@ -325,10 +325,10 @@ class _CastPass:
         for made in (result, copied):
             made.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
             made.meta["val"] = self._run_on_fake_values(made)
-            self._mark(made, mark_of(node) if made is result else self._decide(made))
+        result.meta[MARK] = mark_of(node)  # the call's decision, counted once already
+        self._mark(copied, self._decide(copied))
         node.replace_all_uses_with(copied)
         self.graph.erase_node(node)
-        self.report.decisions[mark_of(node).decision] -= 1  # counted once, as `result`
         self._visit_op(result)
         self._visit_op(copied)
 
