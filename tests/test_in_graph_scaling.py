@@ -292,6 +292,50 @@ def test_gradients_leaving_the_graph_are_divided_once_whatever_their_layout(fp16
         assert model.w1.grad.requires_grad
 
 
+class SparseEmbeddingBag(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embedding, self.head = nn.Embedding(32, 8, sparse=True), nn.Linear(8, 4)
+
+    def forward(self, ids):
+        return self.head(self.embedding(ids).mean(1))
+
+
+def test_a_sparse_gradient_leaving_the_graph_trains_and_skips_as_under_grad_scaler(fp16, seeded):
+    """nn.Embedding(sparse=True) leaves a sparse gradient, which has no storage to unscale in place."""
+    model, generator = SparseEmbeddingBag(), torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 32, (4, 6), generator=generator), torch.randn(4, 4, generator=generator))
+               for _ in range(4)]
+    eager = copy.deepcopy(model)
+
+    def make(m):
+        return [torch.optim.SparseAdam([m.embedding.weight], lr=1e-2), torch.optim.Adam(m.head.parameters(), lr=1e-2)]
+
+    graphamp.rewrite(model, amp_lists=fp16)
+    opts = graphamp.decorate(make(model), fp16, init_loss_scaling=2.0**10, incr_every_n_steps=2, model=model)
+    eager_opts, scaler = make(eager), torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    skipped, eager_scales = [], []
+    for step, (ids, target) in enumerate(batches):
+        overflow = 1e30 if step == 2 else 1.0  # float16's backward overflows at that step in both
+        F.mse_loss(model(ids).float(), target).mul(overflow).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        skipped.append(opts[0].step_was_skipped)
+        with torch.autocast("cpu", torch.float16):
+            loss = F.mse_loss(eager(ids).float(), target).mul(overflow)
+        scaler.scale(loss).backward()
+        for opt in eager_opts:
+            scaler.step(opt)
+            opt.zero_grad()
+        scaler.update()
+        eager_scales.append(scaler.get_scale())
+    assert skipped == [False, False, True, False]
+    assert opts[0].get_loss_scaling() == eager_scales[-1]
+    for (name, a), b in zip(model.named_parameters(), eager.parameters()):
+        assert torch.equal(a, b), name
+
+
 # -- steps ----------------------------------------------------------------------------------------------------------
 
 

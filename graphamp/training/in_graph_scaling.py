@@ -137,6 +137,9 @@ class _UnscaleGradients(_ScaleGradients):
                 # 1/scale), since float16 cannot hold it unscaled; that graph's own scaling takes it as it is.
                 result[i] = LowStorageTensor(stored_values(grad), factor)
                 continue
+            if grad.layout != torch.strided:  # a sparse gradient (Embedding(sparse=True)) has no storage to write
+                result[i] = _multiplied([grad], factor.to(grad.device))[0]
+                continue
             storage = grad.untyped_storage().data_ptr()
             if grad.is_contiguous() and grad.is_floating_point() and storage not in storages:
                 # One found_inf per optimizer of decorate([a, b]): each skips on its own gradients only.
