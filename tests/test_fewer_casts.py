@@ -7,13 +7,14 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import graphamp
 from conftest import FrontEnd
 import encoder_models
 from graphamp.inspection.recording import DtypeRecorder, floating
 from graphamp.passes.marks import mark_of
-from graphamp.policy.kernel_support import rounded_once, runs_low_on
+from graphamp.policy.kernel_support import _probe, rounded_once, runs_low_on
 from training import relative_error
 
 RUNS_LOW_ON = "graphamp.passes.cast_pass.runs_low_on"
@@ -103,6 +104,31 @@ def test_the_probes_answer_for_this_cpu():
         assert runs_low_on(op, torch.device("cpu"), torch.bfloat16), op  # CPU kernels: FP32 inside
     assert runs_low_on("addmm", torch.device("cpu"), torch.bfloat16)  # no probe for other ops
     assert not runs_low_on("native_layer_norm", torch.device("meta"), torch.bfloat16)
+
+
+@pytest.mark.parametrize("first_asked_in", ["torch.func.grad", "torch.func.vmap", "a checkpoint region"])
+def test_the_probes_answer_does_not_depend_on_where_it_was_first_asked(first_asked_in):
+    """The answer is kept for the process: first asked inside a torch.func transform (which refuses the probe's
+    requires_grad_) it was False for good, and every later normalization ran in FP32; inside a checkpoint region
+    the probe's tensors went through the region's saved-tensor hooks, and its backward raised CheckpointError."""
+    answers = []
+
+    def ask(x):
+        answers.append(runs_low_on("native_layer_norm", torch.device("cpu"), torch.bfloat16))
+        return x.sin().sum()
+
+    _probe.cache_clear()
+    try:
+        x = torch.randn(3, requires_grad=True)
+        if first_asked_in == "torch.func.grad":
+            torch.func.grad(ask)(x)
+        elif first_asked_in == "torch.func.vmap":
+            torch.func.vmap(ask)(x.detach())
+        else:
+            checkpoint(ask, x, use_reentrant=False).backward()
+        assert answers[0] and runs_low_on("native_layer_norm", torch.device("cpu"), torch.bfloat16)
+    finally:
+        _probe.cache_clear()  # a wrong answer must not reach the next tests
 
 
 def test_the_accumulation_probe_tells_an_fp32_accumulator_from_a_low_one():

@@ -7,6 +7,7 @@ elements: docs/numerics.md says which and why.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 
 import torch
@@ -44,8 +45,15 @@ def runs_low_on(op_name: str, device: torch.device, dtype: torch.dtype) -> bool:
 
 @lru_cache(maxsize=None)
 def _probe(family: str, device_type: str, dtype: torch.dtype) -> bool:
-    # The first capture may happen inside the caller's no_grad, inference_mode or dispatch mode (a recorder):
-    # the probe runs outside all of them, draws no random numbers, and nothing of it is recorded.
+    # The answer is kept for the process, so it must not depend on where the first call came from. A thread of its
+    # own leaves the caller's thread-local state behind: a torch.func transform (which refuses requires_grad_), a
+    # checkpoint region's saved-tensor hooks (which would count the probe's tensors), no_grad, inference_mode.
+    with ThreadPoolExecutor(max_workers=1) as thread:
+        return thread.submit(_probe_here, family, device_type, dtype).result()
+
+
+def _probe_here(family: str, device_type: str, dtype: torch.dtype) -> bool:
+    # Dispatch modes (a recorder, a fake mode) are left too; the probe draws no random numbers.
     with outside_every_mode(), torch.inference_mode(False), torch.enable_grad():
         device = torch.device(device_type)
         try:
