@@ -227,6 +227,33 @@ def test_auto_cast_recasts_an_activation_written_in_place_since_its_cast(bf16):
     torch.testing.assert_close(x.grad, 3 * model.body.weight.sum(0).expand_as(x), atol=0.1, rtol=0.05)
 
 
+@pytest.mark.parametrize("first_forward_under", [torch.no_grad, torch.inference_mode])
+def test_a_weight_cast_made_without_grad_is_not_reused_by_a_forward_with_grad(bf16, first_forward_under):
+    """An evaluation (a teacher's, a rollout's) forward first, then a training forward in the same context: the
+    cached weight casts of the first have no history (or are inference tensors), and the weights got no gradient."""
+    torch.manual_seed(0)
+    model, x = Head(), torch.randn(4, 16)
+    twin = copy.deepcopy(model)
+    with graphamp.auto_cast(bf16):
+        with first_forward_under():
+            model(x)
+        model(x).float().sum().backward()
+    with torch.autocast("cpu", torch.bfloat16):
+        with first_forward_under():
+            twin(x)
+        twin(x).float().sum().backward()
+    for (name, mine), theirs in zip(model.named_parameters(), twin.parameters()):
+        assert mine.grad is not None, name
+        assert relative_error(mine.grad, theirs.grad) < 2e-2, name
+
+
+def test_auto_cast_under_inference_mode_casts_an_input_made_outside_it(bf16):
+    model, x = Head(), torch.randn(4, 16)  # x: a batch made outside inference mode
+    with DtypeRecorder() as recorder, torch.inference_mode(), graphamp.auto_cast(bf16):
+        model(x)
+    assert low_and_fp32(recorder, ops=("linear",)) == (2, 0)  # inference mode dispatches linear whole
+
+
 def test_auto_cast_keeps_custom_black_ops_and_the_models_fp32_regions(bf16):
     lists = bf16.with_changes(black=["linear"])
 

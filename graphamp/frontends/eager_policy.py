@@ -352,11 +352,13 @@ class EagerPolicy(TorchFunctionMode):
                 return tensor
             if tensor.requires_grad and tensor.is_leaf:  # a weight: cast once per context, as torch.autocast
                 cached = weight_casts.get(id(tensor))
-                version = tensor_version(tensor)
-                if cached is not None and cached[0] is tensor and cached[1] == version:
+                version, grad_enabled = tensor_version(tensor), torch.is_grad_enabled()
+                # a cast made under no_grad has no history: a forward with grad on would train nothing through it
+                if cached is not None and cached[0] is tensor and cached[1] == version and cached[3] >= grad_enabled:
                     return cached[2]
                 result = convert(tensor)
-                weight_casts[id(tensor)] = (tensor, version, result)
+                if not torch.is_inference_mode_enabled():  # an inference tensor cannot join a graph later
+                    weight_casts[id(tensor)] = (tensor, version, result, grad_enabled)
                 return result
             return _cast_once(tensor, convert, activation_casts)
 
@@ -545,7 +547,7 @@ def _cast_once(tensor: torch.Tensor, convert, casts: dict) -> torch.Tensor:
     """An activation several ops read (q, k and v of one normalized hidden state) is cast once per context, as the
     cast pass casts a value once: one cast kernel, and its readers' gradients summed before one cast back. Both held
     weakly, so that the context keeps nothing alive; a cast made under another grad mode is not reused."""
-    if tensor.is_inference():  # no version counter to tell a write
+    if tensor.is_inference() or torch.is_inference_mode_enabled():  # no version counter (of it, or its cast)
         return convert(tensor)
     grad_enabled = torch.is_grad_enabled()
     cached = casts.get(id(tensor))
