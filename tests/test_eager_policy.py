@@ -368,6 +368,22 @@ def test_auto_cast_disabled_runs_as_written(bf16):
     assert low_and_fp32(recorder) == (0, 2)
 
 
+def test_auto_cast_disabled_inside_an_enabled_one_runs_as_written_as_torch_autocast_does(bf16):
+    with graphamp.auto_cast(bf16), graphamp.auto_cast(bf16, enabled=False), DtypeRecorder() as recorder:
+        Head()(torch.randn(4, 16))
+    assert low_and_fp32(recorder) == (0, 2)
+
+
+def test_a_policy_entered_again_inside_an_autocast_disabled_region_keeps_deciding_after_it(bf16):
+    policy, model = graphamp.auto_cast(bf16), Head()
+    with policy:
+        with torch.autocast("cpu", enabled=False), policy:  # the same policy object, once more (a recursive call)
+            pass
+        with DtypeRecorder() as recorder:
+            model(torch.randn(4, 16))
+    assert low_and_fp32(recorder) == (2, 0)
+
+
 def test_auto_cast_inside_torch_autocast_is_a_double_amp_error(bf16):
     with torch.autocast("cpu", torch.bfloat16), pytest.raises(graphamp.DoubleAmpError, match="drop the torch.autocast"):
         with graphamp.auto_cast(bf16):

@@ -218,14 +218,18 @@ class EagerPolicy(TorchFunctionMode):
         self._autocast_nesting = 0
 
     def __enter__(self):
+        if self.enabled:
+            _refuse_enabled_autocast()
+        self._autocast_nesting = _autocast_nesting()
+        _entered.stack.append((self, self._autocast_nesting))
         if not self.enabled:
             return self
-        _refuse_enabled_autocast()
-        self._autocast_nesting = _autocast_nesting()
         _o2_running.depth += self.level == "O2"
         return super().__enter__()
 
     def __exit__(self, *exc):
+        stack = _entered.stack
+        del stack[max(i for i, (policy, _) in enumerate(stack) if policy is self)]
         if not self.enabled:
             return False
         _o2_running.depth -= self.level == "O2"
@@ -263,8 +267,9 @@ class EagerPolicy(TorchFunctionMode):
 
     def _run_cast(self, func, rule, args, kwargs):
         """A call whose inputs the rule may cast: the rest of the rule, in order."""
-        if _lifted.depth or tracing_on_fake_tensors():
-            return func(*args, **kwargs)
+        entered = _entered.stack
+        if _lifted.depth or tracing_on_fake_tensors() or (entered and entered[-1][0] is not self):
+            return func(*args, **kwargs)  # (an auto_cast entered inside this one decides: enabled=False, as written)
         rerun_checkpointed_region_as(self._under_this_policy)
         if rule is _FOLLOW:
             return self._follow(func, args, kwargs)
@@ -272,7 +277,8 @@ class EagerPolicy(TorchFunctionMode):
             # buffer.index_copy_(0, i, source): the source in the buffer's dtype, as in a graph (cast_pass.py)
             args, kwargs = _map_inputs(args, kwargs, rule, self._caster(args[0].dtype, ()))
             return func(*args, **kwargs)
-        if _autocast_nesting() != self._autocast_nesting and self._in_autocast_region(args):
+        if _autocast_nesting() != (entered[-1][1] if entered else self._autocast_nesting) and \
+                self._in_autocast_region(args):
             return func(*args, **kwargs)  # the model's torch.autocast(enabled=False) region: as written
         decision = rule.decision
         if not self._by_op_alone and self._model.black_module_running() is not None:
@@ -632,6 +638,19 @@ class _Depth(threading.local):
 
 
 _o2_running = _Depth()  # O2 policies
+
+
+class _Entered(threading.local):
+    """The policies entered on this thread (enabled or not), innermost last, each with the torch.autocast nesting at
+    its entry: only the innermost decides, as with nested torch.autocast contexts. (An autograd worker thread has
+    none: there the policy the mode stack reached decides.)"""
+
+    def __init__(self):
+        self.stack: list[tuple[EagerPolicy, int]] = []
+
+
+_entered = _Entered()
+
 _RNNS_HOOKED: weakref.WeakSet = weakref.WeakSet()
 
 
