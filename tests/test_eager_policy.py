@@ -368,6 +368,38 @@ def test_auto_cast_disabled_runs_as_written(bf16):
     assert low_and_fp32(recorder) == (0, 2)
 
 
+def test_auto_cast_decorates_a_function_as_torch_autocast_does_and_each_call_trains_the_weights(bf16):
+    torch.manual_seed(0)
+    ours, theirs = Head(), Head()
+    theirs.load_state_dict(ours.state_dict())
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (ours, theirs)]
+    x = torch.randn(4, 16)
+
+    @graphamp.auto_cast(bf16)
+    def our_loss():
+        return ours(x).float().square().mean()
+
+    @torch.autocast("cpu", torch.bfloat16)
+    def their_loss():
+        return theirs(x).float().square().mean()
+
+    for _ in range(3):  # a step between calls: a cast kept from the last call would train on the old weights
+        with DtypeRecorder() as recorder:
+            loss = our_loss()
+        assert low_and_fp32(recorder) == (2, 0)
+        loss.backward()
+        their_loss().backward()
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    assert our_loss.__name__ == "our_loss"
+    for mine, reference in zip(ours.parameters(), theirs.parameters()):
+        assert torch.equal(mine, reference)
+    with DtypeRecorder() as recorder:
+        ours(x)  # outside the decorated function: as written
+    assert low_and_fp32(recorder) == (0, 2)
+
+
 def test_auto_cast_disabled_inside_an_enabled_one_runs_as_written_as_torch_autocast_does(bf16):
     with graphamp.auto_cast(bf16), graphamp.auto_cast(bf16, enabled=False), DtypeRecorder() as recorder:
         Head()(torch.randn(4, 16))

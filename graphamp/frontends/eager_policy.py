@@ -227,6 +227,17 @@ class EagerPolicy(TorchFunctionMode):
         _o2_running.depth += self.level == "O2"
         return super().__enter__()
 
+    def __call__(self, function):
+        """`@graphamp.auto_cast(lists)`: each call of the function runs in a context of its own, as under `with`
+        (torch.autocast and Paddle's auto_cast decorate too); no cast outlives the call."""
+
+        @functools.wraps(function)
+        def under_the_policy(*args, **kwargs):
+            with EagerPolicy(self._rules, self._model, self.enabled):
+                return function(*args, **kwargs)
+
+        return under_the_policy
+
     def __exit__(self, *exc):
         stack = _entered.stack
         del stack[max(i for i, (policy, _) in enumerate(stack) if policy is self)]
@@ -712,7 +723,7 @@ def auto_cast(amp_lists: AutoMixedPrecisionLists | None = None, level: str = "O1
             normalization parameters.
 
     Returns:
-        The context manager (a TorchFunctionMode).
+        The context manager (a TorchFunctionMode), which also decorates a function, as torch.autocast does.
     """
     if amp_lists is not None and not isinstance(amp_lists, AutoMixedPrecisionLists):
         raise ArgumentError(
