@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import graphamp
+from conftest import CompiledCodeRecorder
 from models import TwoLayer
 from training import TORCH_BEFORE_2_13, matmul_dtypes, relative_error
 
@@ -147,6 +148,23 @@ def test_half_precision_parameters_after_rewrite_are_refused(bf16, convert):
     convert(model)
     with pytest.raises(graphamp.ArgumentError, match=r"parameter 'fc\d\.weight' is .* FP32 master weights"):
         model(x.to(next(model.fc1.parameters()).dtype))
+
+
+def test_the_refusal_of_half_parameters_after_rewrite_names_model_float_which_brings_back_low_matmuls(bf16):
+    """Rewriting again, what the refusal before conversion asks for, is refused for a converted model."""
+    model, x = model_and_batch()
+    graphamp.rewrite(model, (x,), amp_lists=bf16)
+    model.half()
+    with pytest.raises(graphamp.ArgumentError, match=r"model\.float\(\)") as refused:
+        model(x.half())
+    assert "rewrite it" not in str(refused.value)
+    model.float()
+    eager = TwoLayer()
+    eager.load_state_dict(model.state_dict())
+    with CompiledCodeRecorder() as recorder:
+        out = model(x)
+    assert {call.in_dtypes[:2] for call in recorder.calls_of("addmm")} == {(torch.bfloat16, torch.bfloat16)}
+    assert relative_error(out, autocast_output(eager, x)) < 1e-6
 
 
 @pytest.mark.parametrize("convert", [

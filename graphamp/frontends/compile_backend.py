@@ -25,7 +25,7 @@ from graphamp.frontends.low_storage import LowStorageTensor, graph_inputs, prese
 from graphamp.frontends.module_paths import ModulePaths
 from graphamp.passes import run_passes
 from graphamp.passes.cast_pass import RewriteReport
-from graphamp.policy.config import AmpConfig, refuse_half_parameters
+from graphamp.policy.config import CAST_AFTER, AmpConfig, refuse_half_parameters
 from graphamp.policy.dtypes import HALF_DTYPES
 from graphamp.policy.lists import AutoMixedPrecisionLists
 from graphamp.torch_private import (
@@ -190,7 +190,8 @@ class AmpBackend:
         the graph must not run (its kernels would fail on the mixed dtypes, or train without master weights)."""
         half = (v for v in example_inputs if isinstance(v, torch.nn.Parameter) and v.dtype in HALF_DTYPES)
         paths = self._module_paths
-        refuse_half_parameters((paths.state_path(p) or f"<one of shape {tuple(p.shape)}>", p) for p in half)
+        named = ((paths.state_path(p) or f"<one of shape {tuple(p.shape)}>", p) for p in half)
+        refuse_half_parameters(named, CAST_AFTER)
 
     def _compile(self, gm: GraphModule, example_inputs: list, mode: str | None, options: dict | None):
         refuse_unknown_inductor_options(options, "torch.compile(options=...)")

@@ -30,7 +30,7 @@ from graphamp.frontends.compile_backend import (
     GRAPHAMP_OPTIONS, AmpBackend, BackendGraph, refuse_outer_autocast, refuse_unknown_inductor_options,
 )
 from graphamp.frontends.eager_policy import EagerPolicy, ModelFacts, rules_for
-from graphamp.policy.config import AmpConfig, check_entry_arguments, check_master_weights
+from graphamp.policy.config import CAST_AFTER, AmpConfig, check_entry_arguments, check_master_weights
 from graphamp.torch_private import (
     BackendCompilerFailed, call_module_with_hooks, composable_apis_on, dispatch_mode_makes_dynamo_run_eagerly,
     dynamo_traces_hook_table_subclasses, exporting_elsewhere_for_graphamp, global_module_hooks, inductor_modes,
@@ -295,7 +295,7 @@ class _AmpCall:
                 raise inner
             raise
         except RuntimeError:  # torch 2.11 guards no parameter dtype on some modules: a kernel met a `.half()` weight
-            check_master_weights(state.model)
+            check_master_weights(state.model, CAST_AFTER)
             raise
         return result
 

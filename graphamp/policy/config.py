@@ -19,8 +19,8 @@ from graphamp.policy.lists import AutoMixedPrecisionLists, ListEntry
 from graphamp.torch_private import NormBase
 
 __all__ = [
-    "LEVELS", "AmpConfig", "check_entry_arguments", "check_level", "check_master_weights", "is_normalization_module",
-    "refuse_half_parameters", "warn_of_custom_fwd_casts",
+    "CAST_AFTER", "LEVELS", "AmpConfig", "check_entry_arguments", "check_level", "check_master_weights",
+    "is_normalization_module", "refuse_half_parameters", "warn_of_custom_fwd_casts",
 ]
 
 # O1: the lists decide each op. O2: every op but the black ones runs low, normalization parameters stay FP32.
@@ -142,16 +142,21 @@ def warn_of_custom_fwd_casts(entry_point: str) -> None:
         )
 
 
-def check_master_weights(model: nn.Module) -> None:
+# The fix for a model cast before graphamp converts it, and for one cast after (rewriting it again is refused).
+CAST_BEFORE = "Keep the model in float32 (drop .half()/.to(dtype)) and rewrite it."
+CAST_AFTER = "It was cast after graphamp converted it: model.float() casts it back (the next call compiles anew)."
+
+
+def check_master_weights(model: nn.Module, fix: str = CAST_BEFORE) -> None:
     """FP32 parameters are the master weights: a model already cast to half precision has none."""
-    refuse_half_parameters(model.named_parameters())
+    refuse_half_parameters(model.named_parameters(), fix)
 
 
-def refuse_half_parameters(named_parameters) -> None:
-    """ArgumentError naming the first of these (name, parameter) pairs that is float16 or bfloat16."""
+def refuse_half_parameters(named_parameters, fix: str = CAST_BEFORE) -> None:
+    """ArgumentError naming the first of these (name, parameter) pairs that is float16 or bfloat16, and `fix`."""
     for name, parameter in named_parameters:
         if parameter.dtype in HALF_DTYPES:
             raise ArgumentError(
                 f"parameter '{name}' is {dtype_name(parameter.dtype)}: graphamp keeps FP32 master weights and casts "
-                f"inside the graph. Keep the model in float32 (drop .half()/.to(dtype)) and rewrite it."
+                f"inside the graph. {fix}"
             )
