@@ -43,7 +43,8 @@ __all__ = [
     "module_buffers",
     "never_a_frame_of_its_own", "op_schema", "op_schemas_named", "outside_every_mode", "pytree", "qualified_op_name",
     "recompile_limit", "recording_functorch_transforms", "register_sub_graph", "rerun_checkpointed_region_as",
-    "set_dynamo_config", "size_oblivious_tracing", "sparse_values", "tensor_version", "trace_inside_make_fx",
+    "set_dynamo_config", "size_oblivious_tracing", "sparse_values", "tensor_version", "this_thread_traces",
+    "trace_inside_make_fx",
     "tracing_context", "tracing_on_fake_tensors", "wrap_autocast_regions",
 ]
 
@@ -101,9 +102,26 @@ enable_python_dispatcher = torch._dispatch.python.enable_python_dispatcher
 @contextlib.contextmanager
 def outside_every_mode():
     """Run the block outside the caller's dispatch modes (a recorder, a fake mode) and torch-function modes (the eager
-    policy). Pinned by tests/test_fewer_casts.py (test_the_probes_answer_for_this_cpu)."""
-    with _python_dispatch._disable_current_modes(), torch._C.DisableTorchFunction():
+    policy). torch keeps pre-dispatch modes (an export's tracer) on one stack for the process, reached only by the
+    thread that traces: another thread takes its own modes off and leaves that stack to the exporting one. Pinned by
+    tests/test_fewer_casts.py (test_the_probes_answer_for_this_cpu) and tests/test_eager_parity.py
+    (test_a_torch_export_in_another_thread_leaves_a_rewritten_models_calls_low)."""
+    if torch._C._dispatch_tls_is_dispatch_key_included(torch._C.DispatchKey.PreDispatch):
+        modes_off = _python_dispatch._disable_current_modes()
+    else:
+        modes_off = _this_threads_dispatch_modes_off()
+    with modes_off, torch._C.DisableTorchFunction():
         yield
+
+
+@contextlib.contextmanager
+def _this_threads_dispatch_modes_off():
+    modes = [_python_dispatch._pop_mode() for _ in range(_python_dispatch._len_torch_dispatch_stack())]
+    try:
+        yield
+    finally:
+        for mode in reversed(modes):
+            _python_dispatch._push_mode(mode)
 
 
 @contextlib.contextmanager
@@ -236,6 +254,13 @@ def recording_functorch_transforms():
     finally:
         _THREADS_LOWERING_WITH_THE_FLAG.discard(threading.get_ident())
         torch.compiler._is_exporting_flag = exporting
+
+
+def this_thread_traces() -> bool:
+    """Whether this thread traces (a torch.export): torch.compiler.is_exporting() is one flag for the process, up while
+    any thread exports; the exporting thread traces under a TracingContext of its own. Pinned by
+    tests/test_eager_parity.py (test_a_torch_export_in_another_thread_leaves_a_rewritten_models_calls_low)."""
+    return torch._guards.TracingContext.try_get() is not None
 
 
 def exporting_elsewhere_for_graphamp() -> bool:

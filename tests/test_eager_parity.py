@@ -149,6 +149,41 @@ def test_compiling_a_graph_without_a_vmap_leaves_torchs_process_wide_exporting_f
     assert EXPORTING_SEEN_WHILE_LOWERING and not any(EXPORTING_SEEN_WHILE_LOWERING)
 
 
+class WaitsWhileExported(nn.Module):
+    """A model whose forward, traced by torch.export in another thread, holds the export open until released."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.entered, self.release = nn.Linear(4, 4), threading.Event(), threading.Event()
+
+    def forward(self, x):
+        self.entered.set()
+        self.release.wait(timeout=60)
+        return self.linear(x)
+
+
+def test_a_torch_export_in_another_thread_leaves_a_rewritten_models_calls_low(bf16):
+    """torch.compiler.is_exporting() is up for the whole process while any thread exports: the export path (the model's
+    FP32 code) is for the thread that exports, not for a training thread that calls meanwhile, and the export goes on."""
+    model, x = model_and_batch()
+    amp = graphamp.rewrite(model, (x,), amp_lists=bf16)
+    exported, programs = WaitsWhileExported(), []
+    exporter = threading.Thread(target=lambda: programs.append(torch.export.export(exported, (torch.randn(2, 4),))))
+    exporter.start()
+    try:
+        assert exported.entered.wait(timeout=60) and torch.compiler.is_exporting()
+        with CompiledCodeRecorder() as recorder:
+            amp(x).sum().backward()
+        with graphamp.auto_cast(bf16):  # the policy's first look at these ops asks torch outside this thread's modes
+            torch.cumsum(torch.randn(3, dtype=torch.float64), 0).bfloat16().atan2(torch.randn(3))
+    finally:
+        exported.release.set()
+        exporter.join()
+    gemms = recorder.calls_of("addmm", "mm")
+    assert gemms and all(floating(call.in_dtypes) == {torch.bfloat16} for call in gemms)
+    assert len(programs) == 1  # the export finished: its tracer's modes stayed on torch's process-wide stack
+
+
 def test_torch_compile_around_a_rewritten_model_trains_and_takes_new_shapes(bf16):
     """An outer torch.compile (a trainer's torch_compile=True) reaches the rewritten model's own compiled call."""
     model, x = model_and_batch()

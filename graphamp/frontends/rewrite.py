@@ -34,7 +34,7 @@ from graphamp.policy.config import CAST_AFTER, AmpConfig, check_entry_arguments,
 from graphamp.torch_private import (
     BackendCompilerFailed, call_module_with_hooks, composable_apis_on, dispatch_mode_makes_dynamo_run_eagerly,
     dynamo_traces_hook_table_subclasses, exporting_elsewhere_for_graphamp, global_module_hooks, inductor_modes,
-    module_buffers, recompile_limit,
+    module_buffers, recompile_limit, this_thread_traces,
 )
 
 __all__ = ["AmpState", "amp_states", "is_rewritten", "rewrite", "rewritten_graphs", "rewritten_models"]
@@ -269,15 +269,17 @@ class _AmpCall:
     @torch.compiler.disable
     def __call__(self, *args, **kwargs):
         state = self.state
-        if torch.compiler.is_exporting() and not exporting_elsewhere_for_graphamp():
+        exporting = torch.compiler.is_exporting() and not exporting_elsewhere_for_graphamp()
+        if exporting and this_thread_traces():
             # torch.export (export_program) traces the model's own FP32 code
             return call_module_with_hooks(state.model, *args, **kwargs)
         refuse_outer_autocast(
             itertools.chain(args, kwargs.values()), f"{type(state.model).__name__}, rewritten by graphamp, was called"
         )
-        if dispatch_mode_makes_dynamo_run_eagerly():
-            # dynamo would run this call eagerly and then mark the compiled code skipped for every later call: the
-            # model's own code runs here, under the policy, and dynamo never sees the mode.
+        if exporting or dispatch_mode_makes_dynamo_run_eagerly():
+            # Another thread exports (torch's flag is the process's; its tracer's modes too, which a compile here
+            # would disturb), or dynamo would run this call eagerly and then mark the compiled code skipped for every
+            # later call: the model's own code runs here, under the policy, and dynamo never sees the mode.
             with state.eager_policy():
                 return call_module_with_hooks(state.model, *args, **kwargs)
         hooks = global_module_hooks()
