@@ -63,3 +63,20 @@ def test_a_hooked_model_copies_and_its_hooks_run_on_the_copy(bf16):
     calls.clear()
     copied(x), model(x)
     assert calls == [copied.fc1, model.fc1]
+
+
+@pytest.mark.parametrize("make_copy", COPIES.values(), ids=COPIES.keys())
+def test_a_copys_compile_is_graphamps_and_keeps_the_lists(bf16, make_copy):
+    """Unpickling restored torch's nn.Module.compile on the copy (a bound method is pickled by name, and was looked
+    up before the copy was converted): compile(backend=...) then replaced graphamp's call, and the model ran FP32."""
+    from conftest import CompiledCodeRecorder
+
+    torch.manual_seed(0)
+    model, x = TwoLayer(), torch.randn(8, 16)
+    twin = make_copy(graphamp.rewrite(model, amp_lists=bf16))
+    with pytest.raises(graphamp.ArgumentError, match="compiles graphamp's graphs with inductor"):
+        twin.compile(backend="aot_eager")
+    with CompiledCodeRecorder() as recorder:
+        twin(x)
+    gemm_dtypes = {call.in_dtypes[0] for call in recorder.calls_of("addmm", "mm")}
+    assert gemm_dtypes == {torch.bfloat16}

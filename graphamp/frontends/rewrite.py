@@ -205,13 +205,15 @@ class AmpState:
         linked = self.backend.linked_loss_scaling if self.backend is not None else None
         self.backend = AmpBackend(self.config, self.settings.inductor, model=model)
         self.backend.link_loss_scaling(linked)  # model.compile() makes a new backend: the link stays
+        # First in the model's __dict__: unpickling rebuilds it in order and restores each bound method below as
+        # getattr(new model, name), which finds the installed one only after _graphamp's __setstate__ installed it.
+        model.__dict__["_graphamp"] = self
         model.__dict__["_compiled_call_impl"] = _AmpCall(self)
         # Dynamo, tracing a module call, inlines torch's own `_call_impl` and would skip `_compiled_call_impl`: with
         # a `_call_impl` of its own the model is called through `__call__`, which reaches _AmpCall.
         model.__dict__["_call_impl"] = types.MethodType(_call_impl, model)
         model.__dict__["compile"] = types.MethodType(compile, model)
         model.__dict__["__reduce_ex__"] = types.MethodType(__reduce_ex__, model)
-        model.__dict__["_graphamp"] = self
         _REWRITTEN.add(model)
 
     def compiled_call(self):
