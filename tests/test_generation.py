@@ -199,3 +199,34 @@ def test_a_forward_branching_on_a_tokens_value_generates_autocasts_tokens_with_l
     assert torch.equal(greedy(model, ids), autocast_greedy(twin.eval(), ids))
     matmuls = matmul_dtypes_of(graphamp.rewritten_graphs(model))
     assert len(matmuls) >= 4 and set(matmuls) == {torch.bfloat16}
+
+
+def test_an_encoder_decoders_generation_runs_its_encoder_low_as_autocast_does(bf16, seeded):
+    """HF generate() runs an encoder-decoder's encoder by itself (`model.get_encoder()(...)`), outside the model's
+    call: it ran eagerly in FP32 under rewrite(); it runs under the model's eager policy, as autocast runs it low."""
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    from conftest import CompiledCodeRecorder
+
+    config = BartConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=64,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=2,
+    )
+    model = BartForConditionalGeneration(config).eval()
+    twin = copy.deepcopy(model)
+    graphamp.rewrite(model, amp_lists=bf16)
+    ids = token_batch(2, 8)
+
+    def generation(run):
+        with CompiledCodeRecorder() as recorder:
+            tokens = run()
+        return tokens, [c.in_dtypes[:2] for c in recorder.calls_of("mm", "addmm", "bmm")]
+
+    tokens, gemms = generation(lambda: greedy(model, ids, new_tokens=4))
+    expected, autocast_gemms = generation(lambda: autocast_greedy(twin, ids, new_tokens=4))
+    encoder_alone = generation(lambda: model.get_encoder()(input_ids=ids))[1]
+    assert torch.float32 not in {dtype for dtypes in autocast_gemms for dtype in dtypes}
+    assert torch.float32 not in {dtype for dtypes in gemms + encoder_alone for dtype in dtypes}
+    assert len(gemms) == len(autocast_gemms) and encoder_alone
+    assert torch.equal(tokens, expected)

@@ -214,6 +214,12 @@ class AmpState:
         model.__dict__["_call_impl"] = types.MethodType(_call_impl, model)
         model.__dict__["compile"] = types.MethodType(compile, model)
         model.__dict__["__reduce_ex__"] = types.MethodType(__reduce_ex__, model)
+<<<<<<< HEAD
+=======
+        model.__dict__["_graphamp"] = self
+        if callable(getattr(type(model), "get_encoder", None)):  # after _graphamp: unpickling finds this one
+            model.__dict__["get_encoder"] = types.MethodType(get_encoder, model)
+>>>>>>> p1-encoder-generate
         _REWRITTEN.add(model)
 
     def compiled_call(self):
@@ -304,6 +310,28 @@ class _AmpCall:
         return result
 
 
+def get_encoder(module: nn.Module, *args, **kwargs) -> nn.Module:
+    """HF's `model.get_encoder()` on a rewritten model: generate() calls an encoder-decoder's encoder by itself,
+    outside the model's call, which would run it in FP32; a call of it by itself runs under the model's eager policy.
+    Named as the attribute it is bound to (pickle saves a bound method by its name)."""
+    encoder = type(module).get_encoder(module, *args, **kwargs)
+    if isinstance(encoder, nn.Module) and encoder is not module:
+        encoder.__dict__["_compiled_call_impl"] = _EncoderCall(module._graphamp, encoder)
+    return encoder
+
+
+class _EncoderCall:
+    """The `_compiled_call_impl` get_encoder() gives the encoder. Dynamo, tracing the model, inlines the encoder's
+    `_call_impl` and never calls it; in a model call run eagerly the policy nests, deciding each op alike."""
+
+    def __init__(self, state: AmpState, encoder: nn.Module):
+        self.state, self.encoder = state, encoder
+
+    def __call__(self, *args, **kwargs):
+        with self.state.lock, self.state.eager_policy():  # the policy refuses an outer autocast itself
+            return call_module_with_hooks(self.encoder, *args, **kwargs)
+
+
 def __reduce_ex__(module: nn.Module, protocol: int):
     """copy.copy(model) of a rewritten model: a converted model of its own that shares the parameters, buffers and
     submodules, as a shallow copy does (nn.Module's default would keep the original's call, bound to the original).
@@ -348,7 +376,7 @@ def compile(module: nn.Module, *args, backend="inductor", mode=None, options=Non
 
 
 # What AmpState.install() sets on the model.
-_INSTALLED = ("_compiled_call_impl", "_call_impl", "compile", "__reduce_ex__", "_graphamp")
+_INSTALLED = ("_compiled_call_impl", "_call_impl", "compile", "__reduce_ex__", "get_encoder", "_graphamp")
 
 
 @contextlib.contextmanager
