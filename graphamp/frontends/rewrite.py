@@ -214,12 +214,8 @@ class AmpState:
         model.__dict__["_call_impl"] = types.MethodType(_call_impl, model)
         model.__dict__["compile"] = types.MethodType(compile, model)
         model.__dict__["__reduce_ex__"] = types.MethodType(__reduce_ex__, model)
-<<<<<<< HEAD
-=======
-        model.__dict__["_graphamp"] = self
         if callable(getattr(type(model), "get_encoder", None)):  # after _graphamp: unpickling finds this one
             model.__dict__["get_encoder"] = types.MethodType(get_encoder, model)
->>>>>>> p1-encoder-generate
         _REWRITTEN.add(model)
 
     def compiled_call(self):
