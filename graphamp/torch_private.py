@@ -37,7 +37,7 @@ __all__ = [
     "BackendCompilerFailed", "DYNAMIC_DIM_MARKERS", "ENTER_AUTOCAST", "EXIT_AUTOCAST", "FakeTensor", "FakeTensorMode",
     "HigherOrderOperator", "NormBase", "OpOverload", "OpOverloadPacket", "TorchDispatchMode", "all_op_schemas",
     "call_module_with_hooks", "compile_with_inductor", "composable_apis_on", "cpu_runs_bfloat16_natively",
-    "default_checkpoint_context_fn", "detect_fake_mode", "dispatch_mode_makes_dynamo_run_eagerly",
+    "default_checkpoint_context_fn", "detect_fake_mode", "dispatch_mode_makes_dynamo_run_eagerly", "dynamo_stance",
     "dynamo_traces_this_thread", "enable_python_dispatcher", "fused_step_takes_loss_scaling", "generate_code_now",
     "global_module_hooks", "group_by_device_and_dtype", "inductor_modes", "inductor_options", "mark_dim_dynamic",
     "module_buffers",
@@ -183,6 +183,12 @@ def recompile_limit() -> int:
     tests/test_dynamic_shapes.py
     (test_past_dynamos_recompile_limit_graphamp_warns_once_and_the_call_runs_low_eagerly)."""
     return torch._dynamo.config.recompile_limit
+
+
+def dynamo_stance() -> str:
+    """The stance torch.compiler.set_stance(...) put dynamo in ("default" unless the user set one). Pinned by
+    tests/test_eager_policy.py (test_a_call_under_a_forced_eager_stance_runs_low_and_the_warning_names_the_stance)."""
+    return torch._dynamo.eval_frame._stance.stance
 
 
 # What torch.compile raises when a backend raises: graphamp takes its own typed error back out of it. Pinned by

@@ -648,6 +648,18 @@ def test_a_model_dynamo_compiles_no_graph_of_runs_low_and_the_warning_names_the_
     assert "recompile_limit" not in eager[0]
 
 
+@pytest.mark.parametrize("stance", ["force_eager", "eager_on_recompile"])
+def test_a_call_under_a_forced_eager_stance_runs_low_and_the_warning_names_the_stance(bf16, stance):
+    model = graphamp.rewrite(Head(), amp_lists=bf16)
+    model(torch.randn(2, 16))  # one graph: eager_on_recompile runs a new shape eagerly
+    with torch.compiler.set_stance(stance), pytest.warns(UserWarning, match="ran none of graphamp's graphs") as caught:
+        with CompiledCodeRecorder() as recorder:
+            model(torch.randn(3, 16))
+    assert low_and_fp32(recorder) == (2, 0)
+    eager = [str(w.message) for w in caught if "ran none of graphamp's graphs" in str(w.message)]
+    assert len(eager) == 1 and f"set_stance({stance!r})" in eager[0] and "recompile_limit" not in eager[0]
+
+
 def test_a_bare_backend_past_the_recompile_limit_runs_low_under_auto_cast(bf16):
     compiled = torch.compile(Head(), backend=graphamp.backend(bf16, inductor=False), dynamic=False)
     for batch in range(1, torch._dynamo.config.recompile_limit + 4):

@@ -33,8 +33,8 @@ from graphamp.frontends.eager_policy import EagerPolicy, ModelFacts, rules_for
 from graphamp.policy.config import CAST_AFTER, AmpConfig, check_entry_arguments, check_master_weights
 from graphamp.torch_private import (
     BackendCompilerFailed, call_module_with_hooks, composable_apis_on, dispatch_mode_makes_dynamo_run_eagerly,
-    dynamo_traces_hook_table_subclasses, exporting_elsewhere_for_graphamp, global_module_hooks, inductor_modes,
-    module_buffers, recompile_limit, this_thread_traces,
+    dynamo_stance, dynamo_traces_hook_table_subclasses, exporting_elsewhere_for_graphamp, global_module_hooks,
+    inductor_modes, module_buffers, recompile_limit, this_thread_traces,
 )
 
 __all__ = ["AmpState", "amp_states", "is_rewritten", "rewrite", "rewritten_graphs", "rewritten_models"]
@@ -235,7 +235,10 @@ class AmpState:
             self.warned_eager_call = True
             ran = (f"graphamp: this call of {type(self.model).__name__} ran none of graphamp's graphs: dynamo ran its "
                    f"code eagerly, which graphamp's eager policy ran in mixed precision by the lists, at eager speed.")
-            if not backend.graphs:  # nothing compiled yet: no recompile limit to reach
+            if dynamo_stance() != "default":
+                why = (f"torch.compiler.set_stance({dynamo_stance()!r}) is in force, and dynamo runs the calls it "
+                       f"does not compile eagerly; set_stance('default') compiles them again.")
+            elif not backend.graphs:  # nothing compiled yet: no recompile limit to reach
                 why = ("Dynamo has compiled no graph of it yet: a graph break it cannot resume from (`.item()` or "
                        "`float(tensor)` inside a module that nn.Sequential or a loop calls, as BatchNorm with "
                        "momentum=None does) runs the whole call eagerly; another thread compiling the model at the "
