@@ -314,3 +314,23 @@ def test_no_gradient_reaching_it_runs_no_backward_as_in_eager(head):
         loss.backward()
     assert [p.grad for p in model.parameters()] == [p.grad for p in twin.parameters()] == [None] * 4
     assert not backward.calls_of("zeros", "mm")
+
+
+def allocated_bytes(run) -> int:
+    """Bytes torch's CPU allocator hands out while `run()` runs (frees not subtracted)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profiler:
+        run()
+    return sum(max(e.self_cpu_memory_usage, 0) for e in profiler.events())
+
+
+def test_an_argmax_over_it_reads_the_stored_values_without_a_float32_copy(bf16, seeded):
+    model, x = Head(classes=1024), torch.randn(64, 8)
+    graphamp.rewrite(model, (x,), amp_lists=bf16)
+    with torch.no_grad():
+        out = model(x)  # an accuracy's logits, 128 KiB stored, 256 KiB as a float32 copy
+    plain = graphamp.stored_values(out).float()
+    for op, dims in ((torch.argmax, {"dim": -1}), (torch.argmin, {"dim": 0, "keepdim": True}), (torch.argmax, {})):
+        indices = op(out, **dims)
+        assert type(indices) is torch.Tensor and torch.equal(indices, op(plain, **dims))
+        assert allocated_bytes(lambda: op(out, **dims)) <= indices.nbytes  # autocast's bytes: the indices only
+    assert allocated_bytes(lambda: out.sum()) >= plain.nbytes  # a read that needs float32 still upcasts

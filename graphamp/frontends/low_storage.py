@@ -32,6 +32,9 @@ _STORAGE_OPS = {
     aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default,
     aten.as_strided.default, aten.unfold.default, aten.flatten.using_ints,
 }
+# Ops whose result (indices) is the same on the stored values: the upcast is exact and keeps the order. Run on them,
+# they take no float32 copy of the whole tensor (an accuracy's argmax over the logits, autocast's bytes).
+_INDEX_OPS = {aten.argmax.default, aten.argmin.default}
 
 
 class LowStorageTensor(torch.Tensor):
@@ -63,7 +66,7 @@ class LowStorageTensor(torch.Tensor):
             return pytree.tree_map_only(torch.Tensor, lambda t: LowStorageTensor(t, times),
                                         func(args[0]._stored, *args[1:], **kwargs))
         if how == "the stored values":
-            return func(args[0]._stored, **kwargs)
+            return func(args[0]._stored, *args[1:], **kwargs)
         if how == "moved":
             return LowStorageTensor(func(args[0]._stored, **kwargs))
         # A read upcasts each LowStorageTensor; a write goes into the storage of those it writes (rounded to the
@@ -117,15 +120,15 @@ def upcasts_of(func, args: tuple, kwargs: dict) -> list[torch.dtype]:
 
 def _how_it_runs(func, args: tuple, kwargs: dict) -> str:
     """How __torch_dispatch__ runs `func`: "on the storage" (it only moves or reshapes its first argument: the
-    result stays low), "the stored values" (a cast to the storage dtype), "moved" (`.to(device)`), else "read or
-    write"."""
+    result stays low), "the stored values" (a cast to the storage dtype, an index op), "moved" (`.to(device)`), else
+    "read or write"."""
     first = args[0] if args else None
     if isinstance(first, LowStorageTensor):
         if func in _STORAGE_OPS:
             return "on the storage"
         if first._times is not None:
             return "read or write"
-        if func is aten._to_copy.default and kwargs.get("dtype") == first._stored.dtype:
+        if func in _INDEX_OPS or (func is aten._to_copy.default and kwargs.get("dtype") == first._stored.dtype):
             return "the stored values"
         if func is aten._to_copy.default and kwargs.get("dtype") is None:
             return "moved"
