@@ -33,7 +33,7 @@ from torch.overrides import TorchFunctionMode
 
 from graphamp.errors import ArgumentError, DoubleAmpError, GraphampError, RewriteError
 from graphamp.frontends.low_storage import LowStorageTensor, stored_values
-from graphamp.policy.aten_ops import NORM_OPS, SAME_DTYPE_OPS
+from graphamp.policy.aten_ops import NORM_OPS, SAME_DTYPE_OPS, is_written
 from graphamp.policy.cast_rule import cannot_run_fix, cast_target, decides_dtype
 from graphamp.policy.config import AmpConfig, check_level, is_normalization_module, warn_of_custom_fwd_casts
 from graphamp.policy.dtypes import HALF_DTYPES, dtype_name
@@ -146,7 +146,7 @@ def _written_arguments(packet) -> set:
     written = set()
     for overload in packet.overloads() if packet is not None else ():
         for index, argument in enumerate(op_schema(getattr(packet, overload)).arguments):
-            if argument.alias_info is not None and argument.alias_info.is_write and not argument.is_out:
+            if is_written(argument) and not argument.is_out:
                 written |= {argument.name} if argument.kwarg_only else {index, argument.name}
     return written
 
@@ -617,13 +617,11 @@ class ModelFacts:
         if model is None:
             return
         if config.lists.black_modules:
-            kept = config.lists.black_modules_in(model)
-            for path, module in model.named_modules(remove_duplicate=False):
-                pattern = kept.get(path)
-                if pattern is not None:
-                    self.black_modules[id(module)] = pattern.source
-                    forward = module.forward
-                    self.black_codes.add(getattr(getattr(forward, "__func__", forward), "__code__", None))
+            for path, pattern in config.lists.black_modules_in(model).items():  # one walk of the model
+                module = model.get_submodule(path)
+                self.black_modules[id(module)] = pattern.source
+                forward = module.forward
+                self.black_codes.add(getattr(getattr(forward, "__func__", forward), "__code__", None))
         if config.level == "O2":
             for module in model.modules():
                 if is_normalization_module(type(module)):

@@ -12,6 +12,7 @@ import functools
 
 import torch
 
+from graphamp.policy.aten_ops import is_written
 from graphamp.torch_private import (
     disabled_torch_function_impl, make_wrapper_subclass, never_a_frame_of_its_own, op_schema, pytree, view_base,
 )
@@ -138,7 +139,7 @@ def _how_it_runs(func, args: tuple, kwargs: dict) -> str:
 @functools.cache  # asked on every op that reads a LowStorageTensor
 def _written_arguments(func) -> frozenset[str]:
     """The names of the arguments `func` writes into (in-place and out= ops)."""
-    return frozenset(a.name for a in op_schema(func).arguments if a.alias_info is not None and a.alias_info.is_write)
+    return frozenset(a.name for a in op_schema(func).arguments if is_written(a))
 
 
 def _storage_if_written(value, written: bool, targets: dict):

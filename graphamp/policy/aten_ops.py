@@ -16,7 +16,7 @@ from graphamp.torch_private import op_schema
 __all__ = [
     "FP32_ACCUMULATING_OPS", "MODEL_CAST_OPS", "NORM_OPS", "RESHAPE_OPS", "SAME_DTYPE_OPS", "TRACE_ASSERTS",
     "VIEW_OPS", "argument_value", "draws_random_numbers", "functional_of_out_call", "has_explicit_float_dtype",
-    "norm_parameter_inputs", "set_argument", "viewed_input", "written_inputs",
+    "is_written", "norm_parameter_inputs", "set_argument", "viewed_input", "written_inputs",
 ]
 
 aten = torch.ops.aten
@@ -96,9 +96,15 @@ def viewed_input(node: Node) -> Node | None:
     return value if isinstance(value, Node) else None
 
 
+def is_written(argument) -> bool:
+    """Whether an op writes into this argument of its schema (`relu_`'s self, a `torch.library` op's mutates_args, an
+    `out=` tensor)."""
+    return argument.alias_info is not None and argument.alias_info.is_write
+
+
 def written_inputs(node: Node) -> set[Node]:
     """The inputs an op writes into in place (`relu_`'s self, `add_`'s self, an `out=` tensor)."""
-    return _inputs_where(node, lambda argument: argument.alias_info is not None and argument.alias_info.is_write)
+    return _inputs_where(node, is_written)
 
 
 def functional_of_out_call(node: Node):
