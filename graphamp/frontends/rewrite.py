@@ -37,13 +37,19 @@ from graphamp.torch_private import (
     inductor_modes, module_buffers, recompile_limit, this_thread_traces,
 )
 
-__all__ = ["AmpState", "amp_states", "is_rewritten", "rewrite", "rewritten_graphs", "rewritten_models"]
+__all__ = [
+    "AmpState", "amp_states", "is_rewritten", "link_copied_optimizer", "rewrite", "rewritten_graphs", "rewritten_models",
+]
 
 _models_compiled = itertools.count()
 
 # The models rewrite() converted and that are alive, found by their parameters: by decorate() without model=
 # (deprecated), and by an unpickled optimizer, to link the copy of its model taken with it.
 _REWRITTEN: weakref.WeakSet = weakref.WeakSet()
+
+# Decorated optimizers unpickled (or deep-copied) with their models: a checkpoint of (optimizer, model) unpickles the
+# optimizer before the model holds its parameters, so the model's copy links them at its first call.
+_COPIED_OPTIMIZERS: weakref.WeakSet = weakref.WeakSet()
 
 # Dynamo keeps its graphs, and counts its recompile limit, per code object: shared by every rewritten model, past 8
 # models a new one would run eagerly in float32. Each model compiles a code object of its own (_fresh_call_module),
@@ -171,6 +177,17 @@ def rewritten_models(parameters) -> list[nn.Module]:
     return [m for m in list(_REWRITTEN) if any(id(p) in wanted for p in m.parameters())]
 
 
+def link_copied_optimizer(optimizer) -> None:
+    """Link a decorated optimizer copied with its model (pickle, deepcopy, torch.save of both) to the model's copy, as
+    the original was linked: pickle tells no other way that the two were copied together than the parameters they
+    share. A copy unpickled before the optimizer is linked now, one unpickled after it at its first call."""
+    _COPIED_OPTIMIZERS.add(optimizer)
+    for rewritten in rewritten_models(p for group in optimizer.param_groups for p in group["params"]):
+        for state in amp_states(rewritten):
+            if state.backend.linked_loss_scaling is None:
+                state.backend.link_optimizer(optimizer)
+
+
 def is_rewritten(model) -> bool:
     """Whether graphamp.rewrite() converted `model` (itself, not a module inside it)."""
     return isinstance(getattr(model, "_graphamp", None), AmpState)
@@ -194,6 +211,7 @@ class AmpState:
         self.rules = rules_for(config)
         self.model_facts = ModelFacts(model, config)
         self.warned_eager_call = False
+        self.copied = False  # a copy links the optimizers copied with it at its first call
         # Dynamo keeps the torch-function mode stack of the thread it compiles in a process-wide slot: a call that
         # another thread makes meanwhile loses its modes, the eager policy with them, and runs float32. Calls of one
         # model from several threads run one at a time, and its modules' hook tables change between calls.
@@ -261,6 +279,7 @@ class AmpState:
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["model"], state["config"], state["settings"])
         self.install()  # Module.__setstate__ runs after and keeps the compiled call (its state has none)
+        self.copied = True
 
 
 class _AmpCall:
@@ -289,6 +308,10 @@ class _AmpCall:
             # later call: the model's own code runs here, under the policy, and dynamo never sees the mode.
             with state.eager_policy():
                 return call_module_with_hooks(state.model, *args, **kwargs)
+        if state.copied:  # a copy's parameters are set by its first call: link the optimizers copied with it
+            state.copied = False
+            for optimizer in list(_COPIED_OPTIMIZERS):
+                link_copied_optimizer(optimizer)
         hooks = global_module_hooks()
         if hooks != self.global_hooks:  # dynamo guards no global module hook its graphs did not see: compile anew
             self.global_hooks, self.compiled = hooks, state.compiled_call()

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from graphamp.errors import ArgumentError, LossScalingError
-from graphamp.frontends.rewrite import amp_states, rewritten_models
+from graphamp.frontends.rewrite import amp_states, link_copied_optimizer, rewritten_models
 from graphamp.policy.dtypes import HALF_DTYPES, dtype_name, resolve_dtype
 from graphamp.training.in_graph_scaling import (
     CheckedGradients, ScalingFactors, factors_read_from, run_scaled, scaling_factors,
@@ -256,12 +256,7 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._scaled_versions = {}
-        # A copy taken with its model (model first) trains that copy with in-graph scaling, as the original did:
-        # pickle tells no other way that the two were copied together than the parameters they share.
-        for rewritten in rewritten_models(p for group in self.param_groups for p in group["params"]):
-            for amp_state in amp_states(rewritten):
-                if amp_state.backend.linked_loss_scaling is None:
-                    amp_state.backend.link_loss_scaling(self.run_graph_scaled)
+        link_copied_optimizer(self)  # a copy taken with its model trains that copy with in-graph scaling
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._optimizer.zero_grad(set_to_none=set_to_none)
