@@ -487,6 +487,34 @@ def test_state_dict_round_trip_mid_run_continues_the_uninterrupted_trajectory():
     assert_bit_identical(resumed.state_dict(), model.state_dict())
 
 
+def test_dcp_state_dicts_of_a_fresh_decorated_optimizer_resume_the_uninterrupted_run():
+    # torch.distributed.checkpoint creates a fresh optimizer's state by a step on zero gradients at lr 0, with no
+    # scaled backward before it: the wrapped optimizer takes that step alone, and the loss scaling stays as it was.
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def train(model, opt, steps):
+        for step in steps:
+            opt.zero_grad()
+            opt.minimize(loss_at(model, step, INF if step == 3 else None))
+
+    config = dict(init_loss_scaling=2.0**12, incr_every_n_steps=2)
+    model = small_model()
+    opt = graphamp.decorate(torch.optim.AdamW(model.parameters(), lr=1e-2), **config)
+    train(model, opt, range(3))
+    saved = copy.deepcopy((*get_state_dict(model, opt), opt.loss_scaler.state_dict()))
+    train(model, opt, range(3, 6))
+
+    resumed = small_model(seed=1)
+    resumed_opt = graphamp.decorate(torch.optim.AdamW(resumed.parameters(), lr=1e-2), **config)
+    get_state_dict(resumed, resumed_opt)  # the state to load into, as a DCP resume builds it
+    assert (resumed_opt.get_loss_scaling(), resumed_opt.loss_scaler.good_steps) == (2.0**12, 0)
+    set_state_dict(resumed, resumed_opt, model_state_dict=saved[0], optim_state_dict=saved[1])
+    resumed_opt.loss_scaler.load_state_dict(saved[2])  # DCP keeps no loss scaler: saved beside it
+    train(resumed, resumed_opt, range(3, 6))
+    assert_bit_identical(resumed.state_dict(), model.state_dict())
+    assert resumed_opt.loss_scaler.state_dict() == opt.loss_scaler.state_dict()
+
+
 def test_deepcopy_gives_an_independent_wrapper():
     model = small_model()
     opt = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), init_loss_scaling=8.0)

@@ -347,6 +347,8 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
         if grads == [] or (self._stage is _Stage.UNSCALED and self._found_inf is None):
             self._found_inf = None
             result = optimizer.step()  # no gradient: eager's no-op, with nothing to unscale, check or refuse
+        elif self._creates_state(grads):
+            return optimizer.step()
         elif fused_step_takes_loss_scaling(optimizer):
             # GradScaler's contract with fused optimizers: they unscale by `grad_scale` and skip on `found_inf`
             # inside their kernel; `grad_scale` is None when the gradients are already unscaled.
@@ -365,6 +367,17 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
             result = None if self._found_inf.item() else optimizer.step()  # the one host sync, as GradScaler's
         self._finish_step()
         return loss if closure is not None else result
+
+    def _creates_state(self, grads: list[torch.Tensor] | None) -> bool:
+        """Whether this is the step torch.distributed.checkpoint's get_state_dict()/set_state_dict() take to create a
+        fresh optimizer's state (all-zero gradients, lr 0, no state yet), with no scaled backward before it, which
+        step() would refuse. The wrapped optimizer takes it alone: nothing to unscale, check or count. Its host sync
+        runs only where step() would otherwise refuse."""
+        iteration, groups = self._iteration, self._optimizer.param_groups
+        if grads is None or self._optimizer.state or iteration.loss_scaled or iteration.scaled_in_graph:
+            return False
+        at_lr_0 = all(float(group.get("lr", 0.0)) == 0.0 for group in groups)
+        return at_lr_0 and not self.loss_scaler.is_fixed_at_one() and not any(bool(g.any()) for g in grads)
 
     def _step_evaluating(self, closure: Callable[[], Any]) -> Any:
         """step(closure) of an optimizer that calls the closure itself, maybe several times (LBFGS)."""
