@@ -444,6 +444,24 @@ def test_state_dict_carries_the_loss_scaler_and_loads_into_a_plain_optimizer():
     assert_bit_identical(plain.state_dict()["state"], state_dict["state"])
 
 
+def test_a_bfloat16_runs_fixed_scale_is_refused_by_a_float16_dynamic_scaler_which_stays_as_it_was():
+    """As GradScaler refuses a disabled scaler's state: taken, the float16 run would go on with no loss scaling."""
+    bf16, fp16 = AutoMixedPrecisionLists(dtype="bfloat16"), AutoMixedPrecisionLists(dtype="float16")
+    bf16_model = small_model()
+    bf16_opt = graphamp.decorate(torch.optim.AdamW(bf16_model.parameters(), lr=0.5), bf16)
+    bf16_opt.minimize(loss_at(bf16_model, 0))
+    checkpoint = bf16_opt.state_dict()
+    fp16_model = small_model()
+    fp16_opt = graphamp.decorate(torch.optim.AdamW(fp16_model.parameters(), lr=0.1), fp16)
+    with pytest.raises(LossScalingError, match="fixed at 1.0.*state.pop\\('loss_scaler'\\)"):
+        fp16_opt.load_state_dict(checkpoint)
+    assert (fp16_opt.param_groups[0]["lr"], fp16_opt.state) == (0.1, {})  # nothing loaded
+    assert fp16_opt.loss_scaler.use_dynamic_loss_scaling and fp16_opt.get_loss_scaling() == 2.0**16
+    checkpoint.pop("loss_scaler")
+    fp16_opt.load_state_dict(checkpoint)  # the fix the message names
+    assert fp16_opt.param_groups[0]["lr"] == 0.5 and fp16_opt.loss_scaler.use_dynamic_loss_scaling
+
+
 def test_load_state_dict_accepts_a_plain_torch_optimizer_state_dict():
     model = small_model()
     plain = torch.optim.AdamW(model.parameters(), lr=0.123)

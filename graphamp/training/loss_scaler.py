@@ -258,11 +258,7 @@ class LossScaler:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what ``state_dict()`` returned: config, scale and counters, into the existing device tensors (or
         kept until the first ``scale()`` creates them on the loss's device)."""
-        missing = sorted(set(_STATE_KEYS) - set(state_dict))
-        if missing:
-            raise LossScalingError(
-                f"loss scaler state dict lacks {', '.join(missing)}: pass what LossScaler.state_dict() returned."
-            )
+        self.check_loadable(state_dict)
         self._configure(**{key: state_dict[key] for key in _CONFIG_KEYS})
         scale = _as_float32(state_dict["loss_scaling"])
         good, bad = int(state_dict["good_steps"]), int(state_dict["bad_steps"])
@@ -272,6 +268,23 @@ class LossScaler:
                 tensor.fill_(value)
         self._found_inf = None
         self._choose_update(scale, bad)
+
+    def check_loadable(self, state_dict: dict[str, Any]) -> None:
+        """Raise LossScalingError, changing nothing, where ``load_state_dict(state_dict)`` would not restore a scaler:
+        keys missing, or a fixed scale (a bfloat16 run's) that would turn this dynamic scaling off."""
+        missing = sorted(set(_STATE_KEYS) - set(state_dict))
+        if missing:
+            raise LossScalingError(
+                f"loss scaler state dict lacks {', '.join(missing)}: pass what LossScaler.state_dict() returned."
+            )
+        if self.use_dynamic_loss_scaling and not state_dict["use_dynamic_loss_scaling"]:
+            # GradScaler refuses a disabled scaler's state too: taken as it is, a float16 run would go on unscaled.
+            raise LossScalingError(
+                f"this checkpoint's loss scaling is fixed at {state_dict['loss_scaling']} (a bfloat16 run, or "
+                "use_dynamic_loss_scaling=False); loading it would turn this optimizer's dynamic loss scaling off. "
+                "Drop its 'loss_scaler' entry to keep the scaling decorate() set (state.pop('loss_scaler')), or "
+                "pass decorate(..., use_dynamic_loss_scaling=False) to keep the fixed scale."
+            )
 
     def __repr__(self) -> str:
         mode = "dynamic" if self.use_dynamic_loss_scaling else "static"

@@ -271,6 +271,8 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
         """Restore both; a plain torch optimizer state dict (no ``"loss_scaler"``) leaves the scaling as it is."""
         state_dict = dict(state_dict)
         loss_scaler_state = state_dict.pop("loss_scaler", None)
+        if loss_scaler_state is not None:
+            self.loss_scaler.check_loadable(loss_scaler_state)  # a refused state leaves the optimizer as it was
         self._optimizer.load_state_dict(state_dict)
         if loss_scaler_state is not None:
             self.loss_scaler.load_state_dict(loss_scaler_state)
