@@ -184,7 +184,9 @@ def presented_as_float32(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     shown: dict[int, torch.Tensor] = {}
     result = []
     for tensor in tensors:
-        base = view_base(tensor) if view_base(tensor) is not None else tensor
+        base = view_base(tensor)
+        # A view of a graph input views its detached storage (no autograd record): shown by itself, it keeps its grad
+        base = tensor if base is None or (tensor.requires_grad and not base.requires_grad) else base
         if id(base) not in shown:
             shown[id(base)] = _PresentAsFloat32.apply(base) if base.requires_grad else LowStorageTensor(base)
         whole = shown[id(base)]
