@@ -349,6 +349,37 @@ def test_an_fnet_trains_with_its_ffts_in_float32_as_under_torch_autocast(bf16, f
         assert mine.grad.dtype == torch.float32 and relative_error(mine.grad, want.grad) < 2e-2
 
 
+class SpectralAndNuclearNorms(nn.Module):
+    """matrix_norm of ord 2 and 'nuc' of a linear's low output: black, with a dtype argument, yet its kernel refuses
+    low inputs for these orders whatever the dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.proj(x)
+        return torch.linalg.matrix_norm(h, 2) + torch.linalg.matrix_norm(h, "nuc")
+
+
+@pytest.mark.parametrize("front", ["rewrite", "export", "auto_cast"])
+def test_a_black_op_whose_kernel_refuses_low_inputs_with_dtype_float32_reads_them_cast_up(bf16, front):
+    torch.manual_seed(0)
+    model, x = SpectralAndNuclearNorms(), torch.randn(2, 8, 8)
+    expected = model(x)
+    if front == "rewrite":
+        run = graphamp.rewrite(model, (x,), amp_lists=bf16)
+    elif front == "export":
+        run = graphamp.export_program(model, (x,), amp_lists=bf16).module()
+    else:
+        run = graphamp.auto_cast(bf16)(model)
+    with CompiledCodeRecorder() as recorder:
+        out = run(x)
+    assert [call.in_dtypes for call in recorder.calls_of("_linalg_svd")] == [(torch.float32,)] * 2
+    assert low_and_fp32(recorder, ("addmm", "mm", "bmm")) == (1, 0)  # the linear ran low
+    assert relative_error(out, expected) < 2e-2
+
+
 @pytest.mark.parametrize("front", ["rewrite", "auto_cast"])
 def test_an_unlisted_op_without_a_low_kernel_is_a_rewrite_error_saying_to_put_it_on_the_black_list(front, tmp_path):
     folder = write_list_folder(tmp_path, white="linear\n")  # fft_fftn on no list: it follows the linear's low output
