@@ -380,6 +380,52 @@ def test_a_black_op_whose_kernel_refuses_low_inputs_with_dtype_float32_reads_the
     assert relative_error(out, expected) < 2e-2
 
 
+class LinearAlgebra(nn.Module):
+    """A linear's low output through LAPACK ops that CPU autocast runs FP32: none has a bfloat16 kernel on CPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.proj(x)
+        spd = torch.baddbmm(4 * torch.eye(4), h, h.transpose(-1, -2))  # white: low
+        return (torch.linalg.inv(spd).sum() + torch.linalg.solve(spd, h).sum() + torch.linalg.cholesky(spd).sum() +
+                torch.linalg.eigvalsh(spd).sum() + torch.linalg.svdvals(h).sum() + torch.linalg.qr(h)[0].sum())
+
+
+def lapack_kernels(recorder: DtypeRecorder) -> Counter:
+    return Counter((call.op, call.in_dtypes) for call in recorder.calls
+                   if call.op.startswith(("linalg_", "_linalg_")) and call.op != "linalg_vector_norm")
+
+
+@pytest.mark.parametrize("front", ["rewrite", "export", "auto_cast"])
+def test_linear_algebra_runs_in_float32_as_under_torch_autocast(bf16, front):
+    torch.manual_seed(0)
+    ours, x = LinearAlgebra(), torch.randn(2, 4, 4)
+    theirs = copy.deepcopy(ours)
+    with DtypeRecorder() as autocasts:
+        with torch.autocast("cpu", torch.bfloat16):
+            expected = theirs(x)
+        expected.backward()
+    if front == "rewrite":
+        run = graphamp.rewrite(ours, (x,), amp_lists=bf16)
+    elif front == "export":
+        run = graphamp.export_program(ours, (x,), amp_lists=bf16).module()
+    else:
+        run = graphamp.auto_cast(bf16)(ours)
+    with CompiledCodeRecorder() as recorder:
+        out = run(x)
+        out.backward()
+    assert lapack_kernels(recorder) == lapack_kernels(autocasts) and len(lapack_kernels(recorder)) >= 6
+    assert all(set(dtypes) <= {torch.float32, torch.int32, torch.int64} for _, dtypes in lapack_kernels(recorder))
+    assert low_and_fp32(recorder, ("baddbmm",)) == low_and_fp32(autocasts, ("baddbmm",)) == (1, 0)
+    assert relative_error(out, expected) < 2e-2
+    grads = [p.grad for p in (run.parameters() if front == "export" else ours.parameters())]
+    for mine, want in zip(grads, theirs.parameters()):
+        assert relative_error(mine, want.grad) < 5e-2
+
+
 @pytest.mark.parametrize("front", ["rewrite", "auto_cast"])
 def test_an_unlisted_op_without_a_low_kernel_is_a_rewrite_error_saying_to_put_it_on_the_black_list(front, tmp_path):
     folder = write_list_folder(tmp_path, white="linear\n")  # fft_fftn on no list: it follows the linear's low output
