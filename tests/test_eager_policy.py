@@ -380,6 +380,33 @@ def test_a_black_op_whose_kernel_refuses_low_inputs_with_dtype_float32_reads_the
     assert relative_error(out, expected) < 2e-2
 
 
+class Normalized(nn.Module):
+    """F.normalize of a linear's low output: its Tensor.norm passes `dtype=None` on to torch.norm (black)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return F.normalize(self.proj(x), dim=-1)
+
+
+def test_a_black_op_passed_dtype_none_computes_in_float32_through_it_as_in_the_graph(bf16):
+    torch.manual_seed(0)
+    model, x = Normalized(), torch.randn(4, 8)
+    eager = copy.deepcopy(model)
+    graphamp.rewrite(model, (x,), amp_lists=bf16)
+    with CompiledCodeRecorder() as in_graph:
+        model(x).sum().backward()
+    with DtypeRecorder() as under_policy:
+        with graphamp.auto_cast(bf16):
+            out = eager(x)
+        out.sum().backward()
+    kernels = [Counter((c.op, c.in_dtypes) for c in recorder.calls_of("linalg_vector_norm", "div", "add"))
+               for recorder in (in_graph, under_policy)]
+    assert kernels[0] == kernels[1] and (("linalg_vector_norm", (torch.bfloat16,)), 1) in kernels[1].items()
+
+
 class LinearAlgebra(nn.Module):
     """A linear's low output through LAPACK ops that CPU autocast runs FP32: none has a bfloat16 kernel on CPU."""
 

@@ -346,7 +346,7 @@ class EagerPolicy(TorchFunctionMode):
         if target == torch.float32 and decision == BLACK:
             if not any(tensor.dtype in _HALF for tensor in floats):
                 return args, kwargs  # no low input
-            if rule.dtype_argument and "dtype" not in kwargs:
+            if rule.dtype_argument and kwargs.get("dtype") is None:  # torch.norm passes dtype=None on
                 return args, {**kwargs, "dtype": torch.float32}  # the kernel reads low X and computes in float32
         return _map_inputs(args, kwargs, rule, self._cast_to(target))
 
