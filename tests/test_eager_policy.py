@@ -349,6 +349,110 @@ def test_an_fnet_trains_with_its_ffts_in_float32_as_under_torch_autocast(bf16, f
         assert mine.grad.dtype == torch.float32 and relative_error(mine.grad, want.grad) < 2e-2
 
 
+class SpectralAndNuclearNorms(nn.Module):
+    """matrix_norm of ord 2 and 'nuc' of a linear's low output: black, with a dtype argument, yet its kernel refuses
+    low inputs for these orders whatever the dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.proj(x)
+        return torch.linalg.matrix_norm(h, 2) + torch.linalg.matrix_norm(h, "nuc")
+
+
+@pytest.mark.parametrize("front", ["rewrite", "export", "auto_cast"])
+def test_a_black_op_whose_kernel_refuses_low_inputs_with_dtype_float32_reads_them_cast_up(bf16, front):
+    torch.manual_seed(0)
+    model, x = SpectralAndNuclearNorms(), torch.randn(2, 8, 8)
+    expected = model(x)
+    if front == "rewrite":
+        run = graphamp.rewrite(model, (x,), amp_lists=bf16)
+    elif front == "export":
+        run = graphamp.export_program(model, (x,), amp_lists=bf16).module()
+    else:
+        run = graphamp.auto_cast(bf16)(model)
+    with CompiledCodeRecorder() as recorder:
+        out = run(x)
+    assert [call.in_dtypes for call in recorder.calls_of("_linalg_svd")] == [(torch.float32,)] * 2
+    assert low_and_fp32(recorder, ("addmm", "mm", "bmm")) == (1, 0)  # the linear ran low
+    assert relative_error(out, expected) < 2e-2
+
+
+class Normalized(nn.Module):
+    """F.normalize of a linear's low output: its Tensor.norm passes `dtype=None` on to torch.norm (black)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return F.normalize(self.proj(x), dim=-1)
+
+
+def test_a_black_op_passed_dtype_none_computes_in_float32_through_it_as_in_the_graph(bf16):
+    torch.manual_seed(0)
+    model, x = Normalized(), torch.randn(4, 8)
+    eager = copy.deepcopy(model)
+    graphamp.rewrite(model, (x,), amp_lists=bf16)
+    with CompiledCodeRecorder() as in_graph:
+        model(x).sum().backward()
+    with DtypeRecorder() as under_policy:
+        with graphamp.auto_cast(bf16):
+            out = eager(x)
+        out.sum().backward()
+    kernels = [Counter((c.op, c.in_dtypes) for c in recorder.calls_of("linalg_vector_norm", "div", "add"))
+               for recorder in (in_graph, under_policy)]
+    assert kernels[0] == kernels[1] and (("linalg_vector_norm", (torch.bfloat16,)), 1) in kernels[1].items()
+
+
+class LinearAlgebra(nn.Module):
+    """A linear's low output through LAPACK ops that CPU autocast runs FP32: none has a bfloat16 kernel on CPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.proj(x)
+        spd = torch.baddbmm(4 * torch.eye(4), h, h.transpose(-1, -2))  # white: low
+        return (torch.linalg.inv(spd).sum() + torch.linalg.solve(spd, h).sum() + torch.linalg.cholesky(spd).sum() +
+                torch.linalg.eigvalsh(spd).sum() + torch.linalg.svdvals(h).sum() + torch.linalg.qr(h)[0].sum())
+
+
+def lapack_kernels(recorder: DtypeRecorder) -> Counter:
+    return Counter((call.op, call.in_dtypes) for call in recorder.calls
+                   if call.op.startswith(("linalg_", "_linalg_")) and call.op != "linalg_vector_norm")
+
+
+@pytest.mark.parametrize("front", ["rewrite", "export", "auto_cast"])
+def test_linear_algebra_runs_in_float32_as_under_torch_autocast(bf16, front):
+    torch.manual_seed(0)
+    ours, x = LinearAlgebra(), torch.randn(2, 4, 4)
+    theirs = copy.deepcopy(ours)
+    with DtypeRecorder() as autocasts:
+        with torch.autocast("cpu", torch.bfloat16):
+            expected = theirs(x)
+        expected.backward()
+    if front == "rewrite":
+        run = graphamp.rewrite(ours, (x,), amp_lists=bf16)
+    elif front == "export":
+        run = graphamp.export_program(ours, (x,), amp_lists=bf16).module()
+    else:
+        run = graphamp.auto_cast(bf16)(ours)
+    with CompiledCodeRecorder() as recorder:
+        out = run(x)
+        out.backward()
+    assert lapack_kernels(recorder) == lapack_kernels(autocasts) and len(lapack_kernels(recorder)) >= 6
+    assert all(set(dtypes) <= {torch.float32, torch.int32, torch.int64} for _, dtypes in lapack_kernels(recorder))
+    assert low_and_fp32(recorder, ("baddbmm",)) == low_and_fp32(autocasts, ("baddbmm",)) == (1, 0)
+    assert relative_error(out, expected) < 2e-2
+    grads = [p.grad for p in (run.parameters() if front == "export" else ours.parameters())]
+    for mine, want in zip(grads, theirs.parameters()):
+        assert relative_error(mine, want.grad) < 5e-2
+
+
 @pytest.mark.parametrize("front", ["rewrite", "auto_cast"])
 def test_an_unlisted_op_without_a_low_kernel_is_a_rewrite_error_saying_to_put_it_on_the_black_list(front, tmp_path):
     folder = write_list_folder(tmp_path, white="linear\n")  # fft_fftn on no list: it follows the linear's low output

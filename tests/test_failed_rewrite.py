@@ -107,3 +107,22 @@ def test_ctrl_c_that_lands_where_python_ignores_exceptions_still_reaches_the_cal
     with pytest.raises(KeyboardInterrupt):
         model(torch.randn(2, 8))
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+class NormalizesItsInputInPlace(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        x.sub_(x.mean())  # a forward that writes into its input
+        return self.linear(x)
+
+
+def test_the_example_call_leaves_the_callers_examples_as_they_were(bf16):
+    x = torch.randn(2, 8)
+    given = x.clone()
+    model = graphamp.rewrite(NormalizesItsInputInPlace(), (x,), amp_lists=bf16)
+    assert torch.equal(x, given)  # as export_program and torch.export leave them
+    model(x)
+    torch.testing.assert_close(x, given - given.mean())

@@ -139,3 +139,30 @@ def test_training_through_a_saturated_constant_gives_finite_gradients_as_close_t
     assert loss.isfinite() and gradients(model).isfinite().all()  # the masked fill's backward hid the NaN row
     autocast_error = relative_error(gradients(autocast), gradients(fp32))
     assert relative_error(gradients(model), gradients(fp32)) <= 1.5 * autocast_error + 1e-3
+
+
+class ClampedToItsDtypesRange(nn.Module):
+    """`clamp(min=finfo(h.dtype).min)`: under autocast the low dtype's bounds; the FP32 trace froze float32's, given
+    as clamp's optional numbers (`Scalar? min`)."""
+
+    def __init__(self, in_place: bool):
+        super().__init__()
+        self.proj, self.in_place = nn.Linear(16, 16), in_place
+
+    def forward(self, x):
+        h = self.proj(x)
+        bounds = torch.finfo(h.dtype)
+        return h.clamp_(min=bounds.min, max=bounds.max) if self.in_place else h.clamp(min=bounds.min, max=bounds.max)
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["clamp", "clamp_"])
+def test_a_clamp_to_the_dtypes_range_runs_low_as_under_autocast(rewritten, bf16, in_place, seeded):
+    model, x = ClampedToItsDtypesRange(in_place), torch.randn(2, 8, 16)
+    with torch.autocast("cpu", torch.bfloat16):
+        expected = model(x)
+    amp = rewritten.convert(model, (x,), amp_lists=bf16)
+    with amp.recording() as rec:
+        out = amp.run(x)
+    (clamp,) = rec.calls_of("clamp", "clamp_")
+    assert floating(clamp.in_dtypes) == {torch.bfloat16}
+    assert relative_error(out, expected) == 0

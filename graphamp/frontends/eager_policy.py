@@ -308,8 +308,14 @@ class EagerPolicy(TorchFunctionMode):
             # copy into the buffer), and the buffer keeps the dtype the code gave it.
             args, kwargs = self._cast_inputs(func, rule, decision, args, {k: v for k, v in kwargs.items() if k != "out"})
             return out.copy_(func(*args, **kwargs))
-        args, kwargs = self._cast_inputs(func, rule, decision, args, kwargs)
-        return func(*args, **kwargs)
+        cast_args, cast_kwargs = self._cast_inputs(func, rule, decision, args, kwargs)
+        if cast_kwargs.get("dtype") is kwargs.get("dtype"):
+            return func(*cast_args, **cast_kwargs)
+        try:  # a black op given dtype=float32 (_cast_inputs)
+            return func(*cast_args, **cast_kwargs)
+        except RuntimeError:  # linalg.matrix_norm of ord 2 or 'nuc' refuses low inputs whatever the dtype: cast them
+            cast_args, cast_kwargs = _map_inputs(args, kwargs, rule, self._cast_to(torch.float32))
+            return func(*cast_args, **cast_kwargs)
 
     def _under_this_policy(self, function):
         """`function` run under a policy of the same rules and model: a torch.utils.checkpoint region this policy
@@ -340,7 +346,7 @@ class EagerPolicy(TorchFunctionMode):
         if target == torch.float32 and decision == BLACK:
             if not any(tensor.dtype in _HALF for tensor in floats):
                 return args, kwargs  # no low input
-            if rule.dtype_argument and "dtype" not in kwargs:
+            if rule.dtype_argument and kwargs.get("dtype") is None:  # torch.norm passes dtype=None on
                 return args, {**kwargs, "dtype": torch.float32}  # the kernel reads low X and computes in float32
         return _map_inputs(args, kwargs, rule, self._cast_to(target))
 

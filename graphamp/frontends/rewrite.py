@@ -34,7 +34,7 @@ from graphamp.policy.config import CAST_AFTER, AmpConfig, check_entry_arguments,
 from graphamp.torch_private import (
     BackendCompilerFailed, call_module_with_hooks, composable_apis_on, dispatch_mode_makes_dynamo_run_eagerly,
     dynamo_stance, dynamo_traces_hook_table_subclasses, exporting_elsewhere_for_graphamp, global_module_hooks,
-    inductor_modes, module_buffers, recompile_limit, this_thread_traces,
+    inductor_modes, module_buffers, pytree, recompile_limit, tensor_version, this_thread_traces,
 )
 
 __all__ = [
@@ -490,10 +490,13 @@ def _fresh_call_module():
 
 
 def _compile_ahead(model: nn.Module, args: tuple, kwargs: dict) -> None:
-    """One call on the examples, so that dynamo and graphamp capture now; buffers (written in place or reassigned)
-    and random state restored. An example the model's own FP32 code cannot run is an ArgumentError."""
+    """One call on the examples, so that dynamo and graphamp capture now; buffers (written in place or reassigned),
+    the examples (a forward's `x.sub_(mean)` writes the caller's tensor) and random state restored. An example the
+    model's own FP32 code cannot run is an ArgumentError."""
     buffers = [(module, name, buffer, buffer.detach().clone())
                for module in model.modules() for name, buffer in module_buffers(module).items() if buffer is not None]
+    examples = [(tensor, tensor_version(tensor), tensor.detach().clone()) for tensor in pytree.tree_leaves((args, kwargs))
+                if isinstance(tensor, torch.Tensor) and not tensor.is_inference()]
     cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     try:
         with torch.random.fork_rng(devices=[]):
@@ -509,6 +512,9 @@ def _compile_ahead(model: nn.Module, args: tuple, kwargs: dict) -> None:
             for module, name, buffer, saved in buffers:
                 module_buffers(module)[name] = buffer  # a forward that reassigns a buffer (self.steps = self.steps + 1)
                 buffer.copy_(saved)
+            for tensor, version, saved in examples:
+                if tensor_version(tensor) != version:
+                    tensor.copy_(saved)
 
 
 def _end_fsdp2_iteration(model: nn.Module) -> None:

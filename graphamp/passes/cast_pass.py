@@ -253,10 +253,8 @@ class _CastPass:
         if target == self.low and not self._kernel_takes(node, floats):
             target = torch.float32  # this device's norm kernel wants X in its parameters' dtype
         if target == torch.float32 and decision == BLACK and (inside := self._fp32_inside_the_kernel(node, floats)):
-            target = None
-            if inside == "dtype=float32":
-                set_argument(node, next(a for a in op_schema(node.target).arguments if a.name == "dtype"), torch.float32)
-                node.meta["val"] = self._run_on_fake_values(node)  # float32 now, also where no input changed dtype
+            if inside == "low as is" or self._converts_inside(node):
+                target = None
         if target is not None:
             self._cast_inputs(node, [n for n in floats if self._needs_cast(n, target)], target)
         into = next((n for n in mutated if _is_castable(n)), None)
@@ -351,6 +349,18 @@ class _CastPass:
                 return None
         dtype_argument = next((a for a in op_schema(node.target).arguments if a.name == "dtype"), None)
         return "dtype=float32" if dtype_argument is not None and argument_value(node, dtype_argument) is None else None
+
+    def _converts_inside(self, node: Node) -> bool:
+        """Passes `dtype=float32` where the kernel then reads the low inputs (sum, softmax); False, the node as it was,
+        where it refuses them whatever the dtype (linalg.matrix_norm of ord 2 or 'nuc'): its inputs are cast."""
+        args, kwargs = node.args, node.kwargs
+        set_argument(node, next(a for a in op_schema(node.target).arguments if a.name == "dtype"), torch.float32)
+        try:
+            node.meta["val"] = self._run_on_fake_values(node)  # float32 now, also where no input changed dtype
+        except Exception:
+            node.args, node.kwargs = args, kwargs
+            return False
+        return True
 
     def _kernel_takes(self, node: Node, floats: list[Node]) -> bool:
         """False where this device's kernel cannot run the op low as the gray rule wants (kernel_support.py): a

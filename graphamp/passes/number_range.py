@@ -28,7 +28,9 @@ def clamp_scalars_to_range(node: Node, dtype: torch.dtype) -> None:
     bfloat16 and float16 kernels refuse."""
     limit = torch.finfo(dtype).max
     for argument in op_schema(node.target).arguments:
-        value = argument_value(node, argument, None) if isinstance(argument.type, torch.NumberType) else None
+        kind = argument.type  # clamp's bounds are optional numbers (`Scalar?`): clamp(min=finfo(h.dtype).min)
+        kind = kind.getElementType() if isinstance(kind, torch.OptionalType) else kind
+        value = argument_value(node, argument, None) if isinstance(kind, torch.NumberType) else None
         if _beyond(value, limit):
             set_argument(node, argument, math.copysign(limit, value))
 
