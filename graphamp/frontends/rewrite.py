@@ -27,7 +27,8 @@ from torch import nn
 
 from graphamp.errors import ArgumentError, GraphampError
 from graphamp.frontends.compile_backend import (
-    GRAPHAMP_OPTIONS, AmpBackend, BackendGraph, refuse_outer_autocast, refuse_unknown_inductor_options,
+    GRAPHAMP_OPTIONS, AmpBackend, BackendGraph, refuse_fsdp2_param_dtype, refuse_outer_autocast,
+    refuse_unknown_inductor_options,
 )
 from graphamp.frontends.eager_policy import EagerPolicy, ModelFacts, rules_for
 from graphamp.policy.config import CAST_AFTER, AmpConfig, check_entry_arguments, check_master_weights
@@ -134,6 +135,7 @@ def rewrite(
         "rewrite", model, example_args, example_kwargs, amp_lists, level, compile
     )
     _refuse_composable_checkpoint(model)
+    refuse_fsdp2_param_dtype(model)
     settings = CompileSettings(compile, mode, dict(options or {}), dynamic, fullgraph)
     converted_before = dict(model.__dict__)
     checkpointed = _checkpoint_modules(model, checkpoint) if checkpoint is not None else []
