@@ -196,6 +196,7 @@ class AmpState:
         self.rules = rules_for(config)
         self.model_facts = ModelFacts(model, config)
         self.warned_eager_call = False
+        self.warned_unscaled = False
         # Dynamo keeps the torch-function mode stack of the thread it compiles in a process-wide slot: a call that
         # another thread makes meanwhile loses its modes, the eager policy with them, and runs float32. Calls of one
         # model from several threads run one at a time, and its modules' hook tables change between calls.
@@ -231,8 +232,10 @@ class AmpState:
         """The lists as a runtime policy for this call (graphamp.auto_cast on this model)."""
         return EagerPolicy(self.rules, self.model_facts)
 
-    def after_call(self, graph_runs_before: int, compiled_before: int) -> None:
+    def after_call(self, graph_runs_before: int, compiled_before: int, cast_low: bool = False) -> None:
         backend = self.backend
+        if cast_low and backend.graph_runs != graph_runs_before:
+            self._warn_of_unscaled_eager_casts()
         if backend.graph_runs == graph_runs_before and not self.warned_eager_call:
             self.warned_eager_call = True
             ran = (f"graphamp: this call of {type(self.model).__name__} ran none of graphamp's graphs: dynamo ran its "
@@ -255,6 +258,22 @@ class AmpState:
             warnings.warn(f"{ran} {why}", stacklevel=4)
         if len(backend.graphs) != compiled_before:
             self.model_facts = ModelFacts(self.model, self.config)  # a module swap recompiles: see the new modules
+
+    def _warn_of_unscaled_eager_casts(self) -> None:
+        """Float16 ops the eager policy ran beside the graphs: the linked loss scaling scales the gradients inside the
+        graphs only, and opt.backward(loss) then leaves the loss as it is, so theirs go unscaled (docs/distributed.md)."""
+        if self.warned_unscaled or self.backend.linked_loss_scaling is None or not torch.is_grad_enabled() or \
+                self.config.lists.dtype != torch.float16:
+            return
+        self.warned_unscaled = True
+        warnings.warn(
+            f"graphamp: this call of {type(self.model).__name__} ran float16 ops outside graphamp's graphs, where dynamo "
+            f"ran its code eagerly (a frame it skips: a loop over blocks that break the graph, as FSDP2's per-block "
+            f"hooks do), under graphamp's eager policy. The loss scaling linked by decorate(model=...) scales gradients "
+            f"inside the graphs only: theirs are unscaled float16, and small ones underflow to 0. Fix: keep the "
+            f"matmuls out of that frame (the loop over the blocks in a module of its own, as transformers' models "
+            f"have it), shard at the root, or use bfloat16 lists.", stacklevel=5,
+        )
 
     def __getstate__(self) -> dict:
         # The graphs, the compiled code and the optimizer link belong to this model; a copy compiles its own.
@@ -295,10 +314,10 @@ class _AmpCall:
         if hooks != self.global_hooks:  # dynamo guards no global module hook its graphs did not see: compile anew
             self.global_hooks, self.compiled = hooks, state.compiled_call()
         try:
-            with _interrupts_kept(), state.lock, state.eager_policy():
+            with _interrupts_kept(), state.lock, state.eager_policy() as policy:
                 runs, compiled = state.backend.graph_runs, len(state.backend.graphs)
                 result = self.compiled(state.model, *args, **kwargs)
-                state.after_call(runs, compiled)
+                state.after_call(runs, compiled, policy.cast_low)
         except BackendCompilerFailed as error:
             inner = getattr(error, "inner_exception", None)
             if isinstance(inner, GraphampError):  # graphamp's own error, typed, not dynamo's wrapper of it
