@@ -450,6 +450,19 @@ def composable_apis_on(module: nn.Module) -> dict:
     return _get_registry(module) or {}
 
 
+def fsdp2_param_dtypes(model: nn.Module) -> dict[str, torch.dtype]:
+    """The FSDP2 modules of `model` (by path) whose MixedPrecisionPolicy gathers their parameters in a `param_dtype`
+    for compute: FSDP2 keeps the policy in its state, with no public getter. Checked on torch 2.13 and 2.11. Pinned by
+    tests/test_fsdp.py (test_fsdp2_casting_the_parameters_is_refused_with_the_fix)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return {}
+    policies = {name: getattr(m._get_fsdp_state(), "_mp_policy", None)
+                for name, m in model.named_modules() if isinstance(m, FSDPModule)}
+    return {name: policy.param_dtype for name, policy in policies.items() if getattr(policy, "param_dtype", None)}
+
+
 # The base class of BatchNorm*, SyncBatchNorm and InstanceNorm*: normalizations with running statistics. Pinned by
 # tests/test_backend.py (test_o2_keeps_normalization_weights_fp32).
 NormBase = nn.modules.batchnorm._NormBase

@@ -201,6 +201,27 @@ def scenario_fp16_compress_hook(rank):
     return {"parameters": flat(model.parameters()), "losses": losses}
 
 
+def scenario_inf_in_an_optimizer_only_rank_0_fed(rank):
+    """decorate([a, b]), b holding a parameter outside DDP that only rank 0 uses, whose gradient is inf there: rank
+    1's b.step() has no gradient, and must still join rank 0's found_inf all-reduce (else the collectives pair
+    wrongly and hang)."""
+    lists = digits_lists("float16")
+    model = ddp(rewritten(seed=rank, lists=lists))
+    temperature = nn.Parameter(torch.ones(()))
+    a, b = graphamp.decorate(
+        [torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD([temperature], lr=0.1)], lists,
+        init_loss_scaling=1024.0, model=model,
+    )
+    images, labels = rank_batches(rank)[0]
+    loss = model(images, labels)
+    (loss * temperature if rank == 0 else loss).backward()
+    if rank == 0:
+        temperature.grad.fill_(INF)
+    a.step()
+    b.step()
+    return {"skipped_steps": (a.skipped_steps, b.skipped_steps), "loss_scaling": a.get_loss_scaling()}
+
+
 SCENARIOS = [
     scenario_ddp_training,
     scenario_fsdp2_training,
@@ -208,6 +229,7 @@ SCENARIOS = [
     scenario_inf_outside_ddp_with_one_rank_groups,
     scenario_inf_under_no_sync,
     scenario_fp16_compress_hook,
+    scenario_inf_in_an_optimizer_only_rank_0_fed,  # last: without its fix, a collective timeout would follow it
 ]
 
 
@@ -273,6 +295,11 @@ def test_a_process_group_of_one_rank_lets_each_rank_decide_alone(ranks):
     rank_0, rank_1 = results_of(ranks, scenario_inf_outside_ddp_with_one_rank_groups)
     assert rank_0 == {"moved": True, "skipped_steps": 0, "loss_scaling": 1024.0}
     assert rank_1 == {"moved": False, "skipped_steps": 1, "loss_scaling": 512.0}
+
+
+def test_a_rank_without_gradients_for_an_optimizer_skips_and_backs_off_with_the_rank_that_had_an_inf(ranks):
+    for result in results_of(ranks, scenario_inf_in_an_optimizer_only_rank_0_fed):
+        assert result == {"skipped_steps": (0, 1), "loss_scaling": 512.0}
 
 
 def test_fp16_compress_hook_keeps_ranks_identical(ranks):

@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -285,6 +285,26 @@ def scenario_dcp_resume(rank, directory):
     }
 
 
+def scenario_fsdp2_casting_the_parameters(rank):
+    """MixedPrecisionPolicy(param_dtype=...) hands the graphs bfloat16 parameters: fully_shard before rewrite() (the
+    documented order) and after it."""
+    policy, lists, errors = MixedPrecisionPolicy(param_dtype=torch.bfloat16), model_lists("bfloat16"), {}
+    model = model_of()
+    for block in model.body.blocks:
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    try:
+        graphamp.rewrite(model, amp_lists=lists)
+    except graphamp.ArgumentError as error:
+        errors["rewrite"] = (str(error), graphamp.is_rewritten(model))
+    model = fully_shard(graphamp.rewrite(model_of(), amp_lists=lists), mp_policy=policy)
+    try:
+        model(*rank_batches(rank)[0])
+    except graphamp.ArgumentError as error:
+        errors["call"] = (str(error), graphamp.is_rewritten(model))
+    return errors
+
+
 SCENARIOS = [
     scenario_single_process,
     scenario_fsdp_per_block,
@@ -295,6 +315,7 @@ SCENARIOS = [
     scenario_fsdp_pattern_naming_one_of_twin_blocks,
     scenario_fsdp_inf_on_rank_1,
     scenario_dcp_resume,
+    scenario_fsdp2_casting_the_parameters,
 ]
 
 
@@ -396,3 +417,13 @@ def test_ddp_with_compile_trains_as_ddp_eager(ranks):
         (runs, linears), = compiled["graphs"]  # what inductor compiled: the casts' decisions
         linears = dict(linears)
         assert runs == STEPS and linears["head"] == torch.float32 and linears["body.blocks.1.up"] == torch.bfloat16
+
+
+def test_fsdp2_casting_the_parameters_is_refused_with_the_fix(ranks):
+    """Not 'model.float() casts it back': the model was never cast, and FSDP2 would cast it again."""
+    for result in results_of(ranks, scenario_fsdp2_casting_the_parameters):
+        assert result.keys() == {"rewrite", "call"}
+        assert result["rewrite"][1] is False  # refused before the conversion
+        for error, _ in result.values():
+            assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16)" in error
+            assert "Fix: fully_shard without param_dtype" in error and "model.float()" not in error

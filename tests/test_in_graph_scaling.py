@@ -742,3 +742,45 @@ def test_plain_backward_on_cuda_makes_no_host_sync_and_gives_grad_scalers_gradie
     scaler.unscale_(autocast_opt)
     for a, b in zip(grads(model), grads(eager)):
         assert relative_error(a, b) < FP16_GRADIENT_RTOL
+
+
+class BreakingBlock(nn.Linear):
+    """A block whose call breaks the graph first, as FSDP2's per-block hooks do."""
+
+    def forward(self, x):
+        torch._dynamo.graph_break()
+        return x + super().forward(x)
+
+
+class LoopOverBreakingBlocks(nn.Module):
+    """The head in the frame that loops over breaking blocks: dynamo skips that frame, and graphamp's eager policy
+    runs its matmul low, beside the blocks' graphs."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(BreakingBlock(8, 8) for _ in range(2))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).square().mean()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_float16_ops_beside_the_graphs_that_linked_scaling_misses_are_warned_of(dtype):
+    """Their float16 gradients are not loss-scaled (small ones underflow): said on every such call, not silently.
+    bfloat16 has no loss scaling to miss."""
+    lists = graphamp.AutoMixedPrecisionLists(dtype=dtype)
+    model = graphamp.rewrite(LoopOverBreakingBlocks(), amp_lists=lists)
+    optimizer = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), lists, model=model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            model(torch.randn(4, 8)).backward()
+            optimizer.step()
+    said = [str(w.message) for w in caught if "ran float16 ops outside graphamp's graphs" in str(w.message)]
+    assert graphamp.rewritten_graphs(model)  # the blocks ran in graphs, the head beside them
+    assert len(said) == (2 if dtype == "float16" else 0)
+    if said:
+        assert "underflow" in said[0] and "Fix:" in said[0]

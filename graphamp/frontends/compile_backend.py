@@ -26,16 +26,16 @@ from graphamp.frontends.module_paths import ModulePaths
 from graphamp.passes import run_passes
 from graphamp.passes.cast_pass import RewriteReport
 from graphamp.policy.config import CAST_AFTER, AmpConfig, refuse_half_parameters
-from graphamp.policy.dtypes import HALF_DTYPES
+from graphamp.policy.dtypes import HALF_DTYPES, dtype_name
 from graphamp.policy.lists import AutoMixedPrecisionLists
 from graphamp.torch_private import (
-    ENTER_AUTOCAST, EXIT_AUTOCAST, compile_with_inductor, generate_code_now, inductor_options, set_dynamo_config,
-    torch_function_off,
+    ENTER_AUTOCAST, EXIT_AUTOCAST, compile_with_inductor, fsdp2_param_dtypes, generate_code_now, inductor_options,
+    set_dynamo_config, torch_function_off,
 )
 
 __all__ = [
     "GRAPHAMP_OPTIONS", "LIST_OPTIONS", "AmpBackend", "BackendGraph", "GraphRunner", "backend", "configure_dynamo",
-    "refuse_outer_autocast", "refuse_unknown_inductor_options",
+    "refuse_fsdp2_param_dtype", "refuse_outer_autocast", "refuse_unknown_inductor_options",
 ]
 
 # The one link between the graphs and training: run one graph, `run(*args)`, with loss scaling inside, and return its
@@ -188,8 +188,10 @@ class AmpBackend:
     def _refuse_half_parameters(self, example_inputs: list) -> None:
         """Dynamo guards on a parameter's dtype: a model cast by `.half()` after its conversion compiles anew, and
         the graph must not run (its kernels would fail on the mixed dtypes, or train without master weights)."""
-        half = (v for v in example_inputs if isinstance(v, torch.nn.Parameter) and v.dtype in HALF_DTYPES)
+        half = [v for v in example_inputs if isinstance(v, torch.nn.Parameter) and v.dtype in HALF_DTYPES]
         paths = self._module_paths
+        if half and paths.model is not None:  # fully_shard(..., mp_policy=...) after rewrite(): not a cast of the user's
+            refuse_fsdp2_param_dtype(paths.model)
         named = ((paths.state_path(p) or f"<one of shape {tuple(p.shape)}>", p) for p in half)
         refuse_half_parameters(named, CAST_AFTER)
 
@@ -293,6 +295,19 @@ def _presented(outputs, kept_low: list[int]):
     for i, shown in zip(kept_low, presented_as_float32([outputs[i] for i in kept_low])):
         outputs[i] = shown
     return outputs
+
+
+def refuse_fsdp2_param_dtype(model: torch.nn.Module) -> None:
+    """FSDP2's MixedPrecisionPolicy(param_dtype=...) gives the graphs parameters in that dtype: no FP32 master weights
+    to cast from, and model.float() cannot undo it (the sharded parameters are float32). Say so, with the fix."""
+    for path, dtype in fsdp2_param_dtypes(model).items():
+        if dtype in HALF_DTYPES:
+            raise ArgumentError(
+                f"FSDP2's MixedPrecisionPolicy(param_dtype={dtype}) on '{path or type(model).__name__}' gathers the "
+                f"parameters in {dtype_name(dtype)} for compute, so graphamp gets no FP32 master weights to cast from. "
+                f"Fix: fully_shard without param_dtype (reduce_dtype may stay); graphamp casts inside the graphs by "
+                f"the lists."
+            )
 
 
 def refuse_outer_autocast(tensors, what: str) -> None:

@@ -216,6 +216,7 @@ class EagerPolicy(TorchFunctionMode):
         self._casters: dict = {}  # target dtype -> its cast (_cast_to)
         self._to_low = self._cast_to(self.low)
         self._autocast_nesting = 0
+        self.cast_low = False  # whether this context cast a value low: rewrite() warns where loss scaling misses it
 
     def __enter__(self):
         if self.enabled:
@@ -371,6 +372,7 @@ class EagerPolicy(TorchFunctionMode):
             if low_target:
                 if dtype is not float32 or (kept and id(tensor) in kept):
                     return tensor  # O2's norm parameters (kept) stay FP32
+                self.cast_low = True
             elif dtype is target or dtype is float64 or not dtype.is_floating_point:
                 return tensor
             if tensor.requires_grad and tensor.is_leaf:  # a weight: cast once per context, as torch.autocast

@@ -75,6 +75,10 @@ class ModulePaths:
         # rewrite() checks the patterns against the model itself; compiled alone, after a whole call (see below).
         self._patterns_checked = model is not None or not config.lists.black_modules
 
+    @property
+    def model(self) -> torch.nn.Module | None:
+        return self._model() if self._model is not None else None
+
     def name_graph(self, gm: GraphModule, aten_graph: GraphModule, example_inputs: list) -> GraphPaths:
         """Write the model's paths into `aten_graph`'s nodes (dynamo's `gm` says which placeholders are state)."""
         state = state_placeholders(gm, aten_graph)
@@ -82,7 +86,7 @@ class ModulePaths:
         to_model_path = self.resolver(state, dict(zip(placeholders, example_inputs)))
         relative_paths = _rename_module_paths(aten_graph, to_model_path)
         self._seen |= {to_model_path(path) for path in relative_paths}
-        model = self._model() if self._model is not None else None
+        model = self.model
         config = self._config.for_model(model) if model is not None else self._config
         return GraphPaths(
             {name: to_model_path(path) for name, path in state.items()},

@@ -27,7 +27,8 @@ from torch import nn
 
 from graphamp.errors import ArgumentError, GraphampError
 from graphamp.frontends.compile_backend import (
-    GRAPHAMP_OPTIONS, AmpBackend, BackendGraph, refuse_outer_autocast, refuse_unknown_inductor_options,
+    GRAPHAMP_OPTIONS, AmpBackend, BackendGraph, refuse_fsdp2_param_dtype, refuse_outer_autocast,
+    refuse_unknown_inductor_options,
 )
 from graphamp.frontends.eager_policy import EagerPolicy, ModelFacts, rules_for
 from graphamp.policy.config import CAST_AFTER, AmpConfig, check_entry_arguments, check_master_weights
@@ -140,6 +141,7 @@ def rewrite(
         "rewrite", model, example_args, example_kwargs, amp_lists, level, compile
     )
     _refuse_composable_checkpoint(model)
+    refuse_fsdp2_param_dtype(model)
     settings = CompileSettings(compile, mode, dict(options or {}), dynamic, fullgraph)
     converted_before = dict(model.__dict__)
     checkpointed = _checkpoint_modules(model, checkpoint) if checkpoint is not None else []
@@ -247,8 +249,10 @@ class AmpState:
         """The lists as a runtime policy for this call (graphamp.auto_cast on this model)."""
         return EagerPolicy(self.rules, self.model_facts)
 
-    def after_call(self, graph_runs_before: int, compiled_before: int) -> None:
+    def after_call(self, graph_runs_before: int, compiled_before: int, cast_low: bool = False) -> None:
         backend = self.backend
+        if cast_low and backend.graph_runs != graph_runs_before:
+            self._warn_of_unscaled_eager_casts()
         if backend.graph_runs == graph_runs_before and not self.warned_eager_call:
             self.warned_eager_call = True
             ran = (f"graphamp: this call of {type(self.model).__name__} ran none of graphamp's graphs: dynamo ran its "
@@ -271,6 +275,21 @@ class AmpState:
             warnings.warn(f"{ran} {why}", stacklevel=4)
         if len(backend.graphs) != compiled_before:
             self.model_facts = ModelFacts(self.model, self.config)  # a module swap recompiles: see the new modules
+
+    def _warn_of_unscaled_eager_casts(self) -> None:
+        """Float16 ops the eager policy ran beside the graphs: the linked loss scaling scales the gradients inside the
+        graphs only, and opt.backward(loss) then leaves the loss as it is, so theirs go unscaled (docs/distributed.md)."""
+        if self.backend.linked_loss_scaling is None or not torch.is_grad_enabled() or \
+                self.config.lists.dtype != torch.float16:
+            return  # every such call warns (Python's filters show it once per place unless told "always")
+        warnings.warn(
+            f"graphamp: this call of {type(self.model).__name__} ran float16 ops outside graphamp's graphs, where dynamo "
+            f"ran its code eagerly (a frame it skips: a loop over blocks that break the graph, as FSDP2's per-block "
+            f"hooks do), under graphamp's eager policy. The loss scaling linked by decorate(model=...) scales gradients "
+            f"inside the graphs only: theirs are unscaled float16, and small ones underflow to 0. Fix: keep the "
+            f"matmuls out of that frame (the loop over the blocks in a module of its own, as transformers' models "
+            f"have it), shard at the root, or use bfloat16 lists.", stacklevel=5,
+        )
 
     def __getstate__(self) -> dict:
         # The graphs, the compiled code and the optimizer link belong to this model; a copy compiles its own.
@@ -316,10 +335,10 @@ class _AmpCall:
         if hooks != self.global_hooks:  # dynamo guards no global module hook its graphs did not see: compile anew
             self.global_hooks, self.compiled = hooks, state.compiled_call()
         try:
-            with _interrupts_kept(), state.lock, state.eager_policy():
+            with _interrupts_kept(), state.lock, state.eager_policy() as policy:
                 runs, compiled = state.backend.graph_runs, len(state.backend.graphs)
                 result = self.compiled(state.model, *args, **kwargs)
-                state.after_call(runs, compiled)
+                state.after_call(runs, compiled, policy.cast_low)
         except BackendCompilerFailed as error:
             inner = getattr(error, "inner_exception", None)
             if isinstance(inner, GraphampError):  # graphamp's own error, typed, not dynamo's wrapper of it

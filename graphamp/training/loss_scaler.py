@@ -207,6 +207,16 @@ class LossScaler:
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
         return found_inf
 
+    def found_inf_of_other_ranks(self, device: torch.device) -> torch.Tensor | None:
+        """A step with no gradient here: join the other ranks' found_inf all-reduce with -1 (MAX keeps theirs), so that
+        collectives stay paired and all skip alike; None if no rank had a gradient, or no group (one host sync)."""
+        group = self._group_that_must_agree()
+        if group is None:
+            return None
+        found_inf = torch.full((), -1.0, dtype=torch.float32, device=device)
+        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
+        return None if found_inf.item() < 0 else found_inf
+
     def _group_that_must_agree(self) -> dist.ProcessGroup | None:
         if not (dist.is_available() and dist.is_initialized()):
             return None

@@ -318,8 +318,12 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
         self._unscale(self._grads(), "unscale_")
 
     def _unscale(self, grads: list[torch.Tensor], what: str) -> None:
-        # No gradient: nothing to unscale or check, and step() is eager's no-op.
-        self._found_inf = self._checked_found_inf(grads, what, self.loss_scaler.unscale_) if grads else None
+        # No gradient: nothing to unscale or check, and step() is eager's no-op; other ranks may have some.
+        if grads:
+            self._found_inf = self._checked_found_inf(grads, what, self.loss_scaler.unscale_)
+        else:
+            device = next((p.device for group in self.param_groups for p in group["params"]), torch.device("cpu"))
+            self._found_inf = self.loss_scaler.found_inf_of_other_ranks(device)
         self._stage = _Stage.UNSCALED
 
     def _checked_found_inf(self, grads: list[torch.Tensor], what: str, check_scaled: Callable) -> torch.Tensor:
@@ -346,8 +350,9 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
         self._check_not_waiting("step")
         optimizer = self._optimizer
         grads = self._grads() if self._stage is _Stage.READY else None
-        if grads == [] or (self._stage is _Stage.UNSCALED and self._found_inf is None):
-            self._found_inf = None
+        if grads == []:
+            self._unscale(grads, "step")  # joins the other ranks' found_inf all-reduce
+        if self._stage is _Stage.UNSCALED and self._found_inf is None:
             result = optimizer.step()  # no gradient: eager's no-op, with nothing to unscale, check or refuse
         elif self._creates_state(grads):
             return optimizer.step()
