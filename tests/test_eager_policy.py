@@ -10,6 +10,7 @@ import contextlib
 import copy
 import threading
 from collections import Counter
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -362,17 +363,21 @@ class SpectralAndNuclearNorms(nn.Module):
         return torch.linalg.matrix_norm(h, 2) + torch.linalg.matrix_norm(h, "nuc")
 
 
+def run_through(front: str, model: nn.Module, x: torch.Tensor, lists) -> Callable:
+    """`model` run by one front end: rewrite() given `x`, export_program(...).module(), or auto_cast as a decorator."""
+    if front == "rewrite":
+        return graphamp.rewrite(model, (x,), amp_lists=lists)
+    if front == "export":
+        return graphamp.export_program(model, (x,), amp_lists=lists).module()
+    return graphamp.auto_cast(lists)(model)
+
+
 @pytest.mark.parametrize("front", ["rewrite", "export", "auto_cast"])
 def test_a_black_op_whose_kernel_refuses_low_inputs_with_dtype_float32_reads_them_cast_up(bf16, front):
     torch.manual_seed(0)
     model, x = SpectralAndNuclearNorms(), torch.randn(2, 8, 8)
     expected = model(x)
-    if front == "rewrite":
-        run = graphamp.rewrite(model, (x,), amp_lists=bf16)
-    elif front == "export":
-        run = graphamp.export_program(model, (x,), amp_lists=bf16).module()
-    else:
-        run = graphamp.auto_cast(bf16)(model)
+    run = run_through(front, model, x, bf16)
     with CompiledCodeRecorder() as recorder:
         out = run(x)
     assert [call.in_dtypes for call in recorder.calls_of("_linalg_svd")] == [(torch.float32,)] * 2
@@ -435,12 +440,7 @@ def test_linear_algebra_runs_in_float32_as_under_torch_autocast(bf16, front):
         with torch.autocast("cpu", torch.bfloat16):
             expected = theirs(x)
         expected.backward()
-    if front == "rewrite":
-        run = graphamp.rewrite(ours, (x,), amp_lists=bf16)
-    elif front == "export":
-        run = graphamp.export_program(ours, (x,), amp_lists=bf16).module()
-    else:
-        run = graphamp.auto_cast(bf16)(ours)
+    run = run_through(front, ours, x, bf16)
     with CompiledCodeRecorder() as recorder:
         out = run(x)
         out.backward()

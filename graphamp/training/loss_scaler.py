@@ -201,21 +201,23 @@ class LossScaler:
                 torch._amp_foreach_non_finite_check_and_unscale_(same_device_and_dtype, *per_device[device])
             for device_found_inf, _ in list(per_device.values())[1:]:
                 found_inf.add_(device_found_inf.to(found_inf.device, non_blocking=True))
-        group = self._group_that_must_agree()
-        if group is not None:
-            # 4 bytes on the device, before anyone reads found_inf: no host sync of its own.
-            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
+        self._agree_across_ranks(found_inf)  # 4 bytes on the device, before anyone reads it: no host sync of its own
         return found_inf
 
     def found_inf_of_other_ranks(self, device: torch.device) -> torch.Tensor | None:
         """A step with no gradient here: join the other ranks' found_inf all-reduce with -1 (MAX keeps theirs), so that
         collectives stay paired and all skip alike; None if no rank had a gradient, or no group (one host sync)."""
-        group = self._group_that_must_agree()
-        if group is None:
-            return None
         found_inf = torch.full((), -1.0, dtype=torch.float32, device=device)
-        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
+        if not self._agree_across_ranks(found_inf):
+            return None
         return None if found_inf.item() < 0 else found_inf
+
+    def _agree_across_ranks(self, found_inf: torch.Tensor) -> bool:
+        """The ranks' largest found_inf, in place (MAX), where ranks must agree; False where there is no such group."""
+        group = self._group_that_must_agree()
+        if group is not None:
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
+        return group is not None
 
     def _group_that_must_agree(self) -> dist.ProcessGroup | None:
         if not (dist.is_available() and dist.is_initialized()):
