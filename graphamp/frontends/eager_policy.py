@@ -150,9 +150,13 @@ class _Rules:
 def _scaled_rule(rule, function):
     """A rule under linked float16 loss scaling, where every crossing of float16's edge must be a scaled cast
     (training/eager_scaling.py): the model's own casts are looked at, and a normalization keeps no float16 data
-    beside its float32 parameters, whose gradients would come out scaled."""
-    if rule is None and (_op_name(function) or getattr(function, "__name__", None)) in _MODEL_CASTS:  # x.float()
+    beside its float32 parameters, whose gradients would come out scaled; a copy into a tensor (`x32[i] = y16`) is one
+    more place where a value crosses."""
+    name = (_op_name(function) or getattr(function, "__name__", None)) if rule is None else None
+    if name in _MODEL_CASTS:  # x.float()
         return _SCALED_CAST
+    if name in ("__setitem__", "copy_"):
+        return _SCALED_WRITE
     if isinstance(rule, _Rule) and rule.norm:
         return replace(rule, keeps=functools.partial(_only_dtypes, frozenset({torch.float32, torch.float64})))
     return rule
@@ -313,6 +317,8 @@ class EagerPolicy(TorchFunctionMode):
             return self._follow(func, args, kwargs)
         if rule is _SCALED_CAST:
             return self._model_cast(func, args, kwargs)
+        if rule is _SCALED_WRITE:
+            return self._as_written(func, rule, args, kwargs)
         if rule.same_dtype and 0 in rule.written and args and isinstance(args[0], torch.Tensor):
             # buffer.index_copy_(0, i, source): the source in the buffer's dtype, as in a graph (cast_pass.py)
             args, kwargs = _map_inputs(args, kwargs, rule, self._caster(args[0].dtype, ()))
@@ -504,10 +510,6 @@ class EagerPolicy(TorchFunctionMode):
             TorchFunctionMode.__exit__(self, None, None, None)
 
 
-_WIDE = (torch.float32, torch.float64)
-_SCALED_CAST = _Rule(Decision.UNLISTED, "", "to", frozenset(), False, False, False, False, False, _needs_no_gradient)
-
-
 def _same(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
@@ -534,6 +536,11 @@ def _unchecked_globals(module_globals: dict) -> dict:
 
 def _never(*_args) -> bool:
     return False
+
+
+_WIDE = (torch.float32, torch.float64)
+_SCALED_CAST = _Rule(Decision.UNLISTED, "", "to", frozenset(), False, False, False, False, False, _needs_no_gradient)
+_SCALED_WRITE = _Rule(Decision.UNLISTED, "", "copy_", frozenset({0}), False, False, False, False, False, _never)
 
 
 def _only_dtypes(allowed: frozenset, values) -> bool:
