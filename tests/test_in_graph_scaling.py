@@ -753,34 +753,147 @@ class BreakingBlock(nn.Linear):
 
 
 class LoopOverBreakingBlocks(nn.Module):
-    """The head in the frame that loops over breaking blocks: dynamo skips that frame, and graphamp's eager policy
-    runs its matmul low, beside the blocks' graphs."""
+    """A nanoGPT-style frame: the input layer, the loop over blocks that break the graph and the LM head in one frame,
+    which dynamo runs eagerly, so graphamp's eager policy runs its matmuls low, beside the blocks' graphs."""
 
-    def __init__(self):
+    def __init__(self, width: int = 16, vocabulary: int = 32):
         super().__init__()
-        self.blocks = nn.ModuleList(BreakingBlock(8, 8) for _ in range(2))
-        self.head = nn.Linear(8, 4)
+        self.embed = nn.Linear(8, width)
+        self.blocks = nn.ModuleList(BreakingBlock(width, width) for _ in range(2))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocabulary)
 
-    def forward(self, x):
+    def forward(self, x, y):
+        x = self.embed(x)
         for block in self.blocks:
             x = block(x)
-        return self.head(x).square().mean()
+        return F.cross_entropy(self.head(self.norm(x)), y)
+
+
+class OwnCastsBesideTheGraphs(LoopOverBreakingBlocks):
+    """The frame's code crosses float16's edge by itself: its own casts, type promotion, an in-place add of float16
+    into float32, a float16 value written into a float32 tensor by indexing."""
+
+    def forward(self, x, y):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x)).float() + self.head(x)  # a cast up, then float32 + float16
+        logits = logits.to(torch.float16) * self.head(x)  # a cast down
+        logits = logits.float()
+        logits += self.head(x)
+        written = torch.zeros_like(logits)
+        written[:, :8] = self.head(x)[:, 8:16]
+        return F.cross_entropy(logits + written, y)
+
+
+# float16 underflows the gradients of a loss this small unless they are scaled
+SMALL_LOSS = 1e-4
+
+
+def frame_batch(step: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(step)
+    return torch.randn(16, 8, generator=generator), torch.randint(0, 32, (16,), generator=generator)
+
+
+def grad_scalers_gradients(model_type: type, steps: int = 1, batches=frame_batch):
+    """autocast + GradScaler on the same model and batches: each step's true gradients and the scale after it."""
+    torch.manual_seed(0)
+    model = model_type()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", growth_interval=2)
+    gradients, scales = [], []
+    for step in range(steps):
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(*batches(step)) * SMALL_LOSS
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+        gradients.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        scaler.step(optimizer)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return gradients, scales, model
+
+
+def linked_gradients(model_type: type, compile: bool, steps: int = 1, batches=frame_batch, recorder=None):
+    """graphamp's plain loop, decorate(model=...) linked: each step's gradients and the scale after it."""
+    fp16 = graphamp.AutoMixedPrecisionLists(dtype="float16")
+    torch.manual_seed(0)
+    model = graphamp.rewrite(model_type(), amp_lists=fp16, compile=compile)
+    optimizer = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, model=model, incr_every_n_steps=2)
+    gradients, scales = [], []
+    for step in range(steps):
+        optimizer.zero_grad()
+        with recorder or contextlib.nullcontext():
+            (model(*batches(step)) * SMALL_LOSS).backward()
+        gradients.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        optimizer.step()
+        scales.append(optimizer.get_loss_scaling())
+    assert graphamp.rewritten_graphs(model)  # the blocks ran in graphs, the rest of the frame beside them
+    return gradients, scales, model
+
+
+def fp32_gradients(model_type: type) -> torch.Tensor:
+    torch.manual_seed(0)
+    model = model_type()
+    (model(*frame_batch()) * SMALL_LOSS).backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("model_type", [LoopOverBreakingBlocks, OwnCastsBesideTheGraphs])
+def test_float16_ops_beside_the_graphs_get_gradients_as_accurate_as_grad_scalers(model_type, compile):
+    """The eager policy's casts across float16's edge scale the gradient as the graphs' edges do: a plain
+    loss.backward() of a tiny loss underflows no float16 gradient of the frame's own matmuls, and none is warned of."""
+    from conftest import CompiledCodeRecorder
+
+    expected = fp32_gradients(model_type)
+    (scalers,), _, _ = grad_scalers_gradients(model_type)
+    recorder = CompiledCodeRecorder()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        (linked,), _, _ = linked_gradients(model_type, compile, recorder=recorder)
+    # the frame's matmuls (the embedding and the head, beside the blocks' graphs) ran in float16, forward and backward
+    assert len([c for c in recorder.calls_of("addmm", "mm") if torch.float16 in c.in_dtypes]) >= 6
+    assert not (linked == 0).any() and not (expected == 0).any()
+    assert relative_error(linked, expected) < 2 * relative_error(scalers, expected)
+    assert relative_error(linked, scalers) < FP16_GRADIENT_RTOL / 10
+    assert not [w for w in caught if "float16 ops outside graphamp's graphs" in str(w.message)]
+
+
+def test_a_step_skipped_beside_the_graphs_follows_grad_scalers_skips_and_scales():
+    """An inf in one step's frame: graphamp skips the same step and backs off the scale as GradScaler does."""
+    def batches(step):
+        x, y = frame_batch(step)
+        if step == 1:
+            x[0, 0] = 1e30  # float16 inf in the frame's first matmul
+        return x, y
+
+    scalers, scales, eager = grad_scalers_gradients(LoopOverBreakingBlocks, steps=4, batches=batches)
+    linked, linked_scales, model = linked_gradients(LoopOverBreakingBlocks, False, steps=4, batches=batches)
+    assert linked_scales == scales == [2.0**16, 2.0**15, 2.0**15, 2.0**16]
+    for step in (0, 2, 3):
+        assert relative_error(linked[step], scalers[step]) < FP16_GRADIENT_RTOL / 10
+    trained, expected = (torch.cat([p.detach().flatten() for p in m.parameters()]) for m in (model, eager))
+    assert trained.isfinite().all()
+    assert relative_error(trained, expected) < 1e-6  # the bias started at 0 has ~1e-3 of it: float16's rounding
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_float16_ops_beside_the_graphs_that_linked_scaling_misses_are_warned_of(dtype):
-    """Their float16 gradients are not loss-scaled (small ones underflow): said on every such call, not silently.
-    bfloat16 has no loss scaling to miss."""
+def test_the_eager_policys_casts_keep_their_gradients_unscaled_without_a_decorated_optimizers_link(dtype):
+    """Linked by a function of one's own (link_loss_scaling), only the graphs scale: float16 ops beside them are warned
+    of on every call. bfloat16 has no loss scaling to miss."""
     lists = graphamp.AutoMixedPrecisionLists(dtype=dtype)
     model = graphamp.rewrite(LoopOverBreakingBlocks(), amp_lists=lists)
     optimizer = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), lists, model=model)
+    model._graphamp.backend.link_loss_scaling(lambda run, args: optimizer.run_graph_scaled(run, args))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for _ in range(2):
-            model(torch.randn(4, 8)).backward()
+        for step in range(2):
+            model(*frame_batch(step)).backward()
             optimizer.step()
     said = [str(w.message) for w in caught if "ran float16 ops outside graphamp's graphs" in str(w.message)]
-    assert graphamp.rewritten_graphs(model)  # the blocks ran in graphs, the head beside them
     assert len(said) == (2 if dtype == "float16" else 0)
     if said:
         assert "underflow" in said[0] and "Fix:" in said[0]

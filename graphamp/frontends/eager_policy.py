@@ -26,7 +26,7 @@ import types
 import warnings
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -108,12 +108,19 @@ class _Rules:
     def __init__(self, config: AmpConfig):
         self.config = config
         self.by_function: dict = {}
+        self.scaled_by_function: dict = {}  # the same, for a policy whose float16 casts scale (_scaled_rule)
         self.promotion: dict = {}  # (function, input dtypes) -> whether torch's promotion already runs it in FP32
 
     def rule_for(self, function):
         rule = self.by_function.get(function)
         if rule is None:
             rule = self.by_function[function] = self._rule(function)
+        return rule
+
+    def scaled_rule_for(self, function):
+        rule = self.scaled_by_function.get(function, _UNKNOWN)
+        if rule is _UNKNOWN:
+            rule = self.scaled_by_function[function] = _scaled_rule(self.rule_for(function), function)
         return rule
 
     def _rule(self, function):
@@ -138,6 +145,25 @@ class _Rules:
         return _Rule(decision, source, name, frozenset(written), norm, dtype_argument,
                      lists.promotes_packet(name), name in SAME_DTYPE_OPS, not (written or norm),
                      _keeps(decision, name, norm, self.config))
+
+
+def _scaled_rule(rule, function):
+    """A rule under linked float16 loss scaling, where every crossing of float16's edge must be a scaled cast
+    (training/eager_scaling.py): the model's own casts are looked at, and a normalization keeps no float16 data
+    beside its float32 parameters, whose gradients would come out scaled; a copy into a tensor (`x32[i] = y16`) is one
+    more place where a value crosses."""
+    name = (_op_name(function) or getattr(function, "__name__", None)) if rule is None else None
+    if name in _MODEL_CASTS:  # x.float()
+        return _SCALED_CAST
+    if name in ("__setitem__", "copy_"):
+        return _SCALED_WRITE
+    if isinstance(rule, _Rule) and rule.norm:
+        return replace(rule, keeps=functools.partial(_only_dtypes, frozenset({torch.float32, torch.float64})))
+    return rule
+
+
+def _needs_no_gradient(values) -> bool:
+    return not (values and isinstance(values[0], torch.Tensor) and values[0].requires_grad)
 
 
 def _written_arguments(packet) -> set:
@@ -199,10 +225,14 @@ class EagerPolicy(TorchFunctionMode):
     """The mode auto_cast() enters: casts the floating inputs of each torch call by the lists (see the module's
     docstring). One per context; the rules are shared."""
 
-    def __init__(self, rules: _Rules, model_facts: ModelFacts | None = None, enabled: bool = True):
+    def __init__(self, rules: _Rules, model_facts: ModelFacts | None = None, enabled: bool = True,
+                 scaling=None):
         super().__init__()
         self._rules = rules
-        self._by_function = rules.by_function
+        # `scaling`: the linked loss scaling's edges (training/eager_scaling.ScaledCasts), for float16 lists
+        self.scaling = scaling
+        self._by_function = rules.by_function if scaling is None else rules.scaled_by_function
+        self._rule_for = rules.rule_for if scaling is None else rules.scaled_rule_for
         self.low = rules.config.dtype
         self.level = rules.config.level
         self.enabled = enabled
@@ -234,7 +264,7 @@ class EagerPolicy(TorchFunctionMode):
 
         @functools.wraps(function)
         def under_the_policy(*args, **kwargs):
-            with EagerPolicy(self._rules, self._model, self.enabled):
+            with EagerPolicy(self._rules, self._model, self.enabled, self.scaling):
                 return function(*args, **kwargs)
 
         return under_the_policy
@@ -259,7 +289,7 @@ class EagerPolicy(TorchFunctionMode):
             return func(*args, **(kwargs or {}))
         rule = self._by_function.get(func, _UNKNOWN)
         if rule is _UNKNOWN:
-            rule = self._rules.rule_for(func)
+            rule = self._rule_for(func)
         try:
             if rule is None or (self._by_op_alone and rule is not _FOLLOW and
                                 rule.keeps((*args, *kwargs.values()) if kwargs else args)):
@@ -285,13 +315,17 @@ class EagerPolicy(TorchFunctionMode):
         rerun_checkpointed_region_as(self._under_this_policy)
         if rule is _FOLLOW:
             return self._follow(func, args, kwargs)
+        if rule is _SCALED_CAST:
+            return self._model_cast(func, args, kwargs)
+        if rule is _SCALED_WRITE:
+            return self._as_written(func, rule, args, kwargs)
         if rule.same_dtype and 0 in rule.written and args and isinstance(args[0], torch.Tensor):
             # buffer.index_copy_(0, i, source): the source in the buffer's dtype, as in a graph (cast_pass.py)
             args, kwargs = _map_inputs(args, kwargs, rule, self._caster(args[0].dtype, ()))
             return func(*args, **kwargs)
         if _autocast_nesting() != (entered[-1][1] if entered else self._autocast_nesting) and \
                 self._in_autocast_region(args):
-            return func(*args, **kwargs)  # the model's torch.autocast(enabled=False) region: as written
+            return self._as_written(func, rule, args, kwargs)  # the model's torch.autocast(enabled=False) region
         decision = rule.decision
         if not self._by_op_alone and self._model.black_module_running() is not None:
             decision = BLACK
@@ -302,7 +336,7 @@ class EagerPolicy(TorchFunctionMode):
                 cast.append(to_low(value) if isinstance(value, torch.Tensor) else value)
             return func(*cast)
         if "dtype" in kwargs and isinstance(kwargs["dtype"], torch.dtype) and kwargs["dtype"].is_floating_point:
-            return func(*args, **kwargs)  # softmax(x, dtype=torch.float32): the model chose the dtype
+            return self._as_written(func, rule, args, kwargs)  # softmax(x, dtype=torch.float32): the model's dtype
         out = kwargs.get("out")
         if isinstance(out, torch.Tensor) and decision in (WHITE, BLACK):
             # torch.mm(a, b, out=buffer): the op runs in its listed dtype, as it would in a graph (where out= is a
@@ -310,6 +344,8 @@ class EagerPolicy(TorchFunctionMode):
             args, kwargs = self._cast_inputs(func, rule, decision, args, {k: v for k, v in kwargs.items() if k != "out"})
             return out.copy_(func(*args, **kwargs))
         cast_args, cast_kwargs = self._cast_inputs(func, rule, decision, args, kwargs)
+        if self.scaling is not None:
+            cast_args, cast_kwargs = self._across_the_edge(rule, cast_args, cast_kwargs)
         if cast_kwargs.get("dtype") is kwargs.get("dtype"):
             return func(*cast_args, **cast_kwargs)
         try:  # a black op given dtype=float32 (_cast_inputs)
@@ -318,12 +354,57 @@ class EagerPolicy(TorchFunctionMode):
             cast_args, cast_kwargs = _map_inputs(args, kwargs, rule, self._cast_to(torch.float32))
             return func(*cast_args, **cast_kwargs)
 
+    def _as_written(self, func, rule, args, kwargs):
+        if self.scaling is not None:
+            args, kwargs = self._across_the_edge(rule, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _model_cast(self, func, args, kwargs):
+        """The model's own cast (`x.float()`, `x.to(dtype)`) of a value needing a gradient, under linked float16
+        scaling: one across float16's edge is a scaled cast too (its first autograd record is dropped)."""
+        result = func(*args, **kwargs)
+        source, low = args[0], self.low
+        if not (isinstance(result, torch.Tensor) and isinstance(source, torch.Tensor) and torch.is_grad_enabled()):
+            return result
+        into_low = type(result) is torch.Tensor and result.dtype == low and source.dtype in _WIDE
+        if into_low or (type(source) is torch.Tensor and source.dtype == low and result.dtype in _WIDE):
+            self.cast_low |= into_low
+            return self.scaling.cast(source, lambda _: result.detach(), into_low)
+        return result
+
+    def _across_the_edge(self, rule, args, kwargs):
+        """The call's inputs needing a gradient on the other side of float16's edge from its result cast there by
+        scaled casts, under linked float16 scaling: the op would cross inside (promotion, an in-place op into the
+        other dtype, `dtype=float32`, a normalization's float32 parameters), where autograd casts the gradient
+        back unscaled."""
+        tensors = [t for t in _all_tensors(args, kwargs) if t.dtype.is_floating_point]
+        low = self.low
+        if not torch.is_grad_enabled() or not any(type(t) is torch.Tensor and t.dtype == low for t in tensors):
+            return args, kwargs
+        target = args[0] if 0 in rule.written and args and isinstance(args[0], torch.Tensor) else None
+        dtype = kwargs.get("dtype")
+        if target is not None or rule.norm:  # the op writes, or normalizes, in its first tensor's dtype
+            result_low = (target if target is not None else tensors[0]).dtype == low
+        elif isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+            result_low = dtype == low
+        else:  # type promotion: a 0-dim tensor takes no part
+            result_low = not any(t.dtype in _WIDE and t.dim() > 0 for t in tensors)
+        crossing = {id(t) for t in tensors if t.requires_grad and t is not target and (t.dtype == low) != result_low}
+        if not crossing:
+            return args, kwargs
+        if result_low:
+            def cast(t):  # a normalization's float32 parameter stays float32: only its gradient is unscaled
+                return self.scaling.cast(t, _same, True) if rule.norm and t is not tensors[0] else self._to_low(t)
+        else:
+            cast = self._cast_to(torch.float32)
+        return _mapped(args, kwargs, lambda t: cast(t) if id(t) in crossing else t)
+
     def _under_this_policy(self, function):
         """`function` run under a policy of the same rules and model: a torch.utils.checkpoint region this policy
         casts in is rerun in backward, where no policy is entered; so it saves what the forward saved (torch checks),
         as the checkpoint reenters autocast for autocast's casts."""
         def under_the_policy(*args, **kwargs):
-            with EagerPolicy(self._rules, self._model):
+            with EagerPolicy(self._rules, self._model, scaling=self.scaling):
                 return function(*args, **kwargs)
 
         under_the_policy.graphamp_wrapped = True
@@ -365,6 +446,13 @@ class EagerPolicy(TorchFunctionMode):
         activation_casts = self._activation_casts.setdefault(target, {})
         convert = _CAST_METHODS.get(target) or (lambda tensor: tensor.to(target))
         low_target = target in HALF_DTYPES
+        if self.scaling is not None:  # linked float16 scaling: a cast across float16's edge scales the gradient
+            unscaled, scaling, into_low = convert, self.scaling, target == self.low
+
+            def convert(tensor):
+                if into_low or tensor.dtype == self.low:
+                    return scaling.cast(tensor, unscaled, into_low)
+                return unscaled(tensor)
         float32, float64 = torch.float32, torch.float64
 
         def cast(tensor: torch.Tensor) -> torch.Tensor:
@@ -422,6 +510,22 @@ class EagerPolicy(TorchFunctionMode):
             TorchFunctionMode.__exit__(self, None, None, None)
 
 
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _mapped(args, kwargs, function):
+    """The call's arguments with `function` applied to each tensor, one level into lists and tuples."""
+    def one(value):
+        if isinstance(value, torch.Tensor):
+            return function(value)
+        if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
+            return type(value)(one(v) for v in value)
+        return value
+
+    return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
+
+
 def _unchecked_globals(module_globals: dict) -> dict:
     patched = dict(module_globals)
     for name in ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic"):
@@ -432,6 +536,11 @@ def _unchecked_globals(module_globals: dict) -> dict:
 
 def _never(*_args) -> bool:
     return False
+
+
+_WIDE = (torch.float32, torch.float64)
+_SCALED_CAST = _Rule(Decision.UNLISTED, "", "to", frozenset(), False, False, False, False, False, _needs_no_gradient)
+_SCALED_WRITE = _Rule(Decision.UNLISTED, "", "copy_", frozenset({0}), False, False, False, False, False, _never)
 
 
 def _only_dtypes(allowed: frozenset, values) -> bool:

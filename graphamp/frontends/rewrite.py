@@ -246,12 +246,23 @@ class AmpState:
         )
 
     def eager_policy(self) -> EagerPolicy:
-        """The lists as a runtime policy for this call (graphamp.auto_cast on this model)."""
-        return EagerPolicy(self.rules, self.model_facts)
+        """The lists as a runtime policy for this call (graphamp.auto_cast on this model); with float16 loss scaling
+        linked by decorate(model=...), its casts across float16's edge scale the gradients as the graphs' edges do
+        (training/eager_scaling.py)."""
+        optimizer = self.backend.linked_optimizer if self.backend is not None else None
+        scaled_casts = getattr(optimizer, "scaled_casts", None)
+        scaling = scaled_casts(self.config.lists.dtype) if scaled_casts is not None else None
+        return EagerPolicy(self.rules, self.model_facts, scaling=scaling)
 
-    def after_call(self, graph_runs_before: int, compiled_before: int, cast_low: bool = False) -> None:
+    @staticmethod
+    def returned(policy: EagerPolicy, result):
+        """The call's result: float16 values of its eager code presented as float32 with the scale applied to their
+        gradients, where the policy's casts scaled (as a graph's low outputs are)."""
+        return result if policy.scaling is None or not policy.cast_low else policy.scaling.returned(result)
+
+    def after_call(self, graph_runs_before: int, compiled_before: int, policy: EagerPolicy | None = None) -> None:
         backend = self.backend
-        if cast_low and backend.graph_runs != graph_runs_before:
+        if policy is not None and policy.cast_low and policy.scaling is None and backend.graph_runs != graph_runs_before:
             self._warn_of_unscaled_eager_casts()
         if backend.graph_runs == graph_runs_before and not self.warned_eager_call:
             self.warned_eager_call = True
@@ -277,18 +288,19 @@ class AmpState:
             self.model_facts = ModelFacts(self.model, self.config)  # a module swap recompiles: see the new modules
 
     def _warn_of_unscaled_eager_casts(self) -> None:
-        """Float16 ops the eager policy ran beside the graphs: the linked loss scaling scales the gradients inside the
-        graphs only, and opt.backward(loss) then leaves the loss as it is, so theirs go unscaled (docs/distributed.md)."""
+        """Float16 ops the eager policy ran beside the graphs, where the loss scaling was linked by a function of the
+        user's own (link_loss_scaling), not a decorated optimizer: it scales the gradients inside the graphs only,
+        so theirs go unscaled (docs/backend.md)."""
         if self.backend.linked_loss_scaling is None or not torch.is_grad_enabled() or \
                 self.config.lists.dtype != torch.float16:
             return  # every such call warns (Python's filters show it once per place unless told "always")
         warnings.warn(
             f"graphamp: this call of {type(self.model).__name__} ran float16 ops outside graphamp's graphs, where dynamo "
-            f"ran its code eagerly (a frame it skips: a loop over blocks that break the graph, as FSDP2's per-block "
-            f"hooks do), under graphamp's eager policy. The loss scaling linked by decorate(model=...) scales gradients "
-            f"inside the graphs only: theirs are unscaled float16, and small ones underflow to 0. Fix: keep the "
-            f"matmuls out of that frame (the loop over the blocks in a module of its own, as transformers' models "
-            f"have it), shard at the root, or use bfloat16 lists.", stacklevel=5,
+            f"ran its code eagerly (a frame it skips: a loop over blocks that break the graph), under graphamp's eager "
+            f"policy. The loss scaling linked by link_loss_scaling() scales gradients inside the graphs only: theirs "
+            f"are unscaled float16, and small ones underflow to 0. Fix: link a decorated optimizer "
+            f"(graphamp.decorate(optimizer, lists, model=model)), whose scaling covers those ops too, or use bfloat16 "
+            f"lists.", stacklevel=5,
         )
 
     def __getstate__(self) -> dict:
@@ -325,8 +337,8 @@ class _AmpCall:
             # Another thread exports (torch's flag is the process's; its tracer's modes too, which a compile here
             # would disturb), or dynamo would run this call eagerly and then mark the compiled code skipped for every
             # later call: the model's own code runs here, under the policy, and dynamo never sees the mode.
-            with state.eager_policy():
-                return call_module_with_hooks(state.model, *args, **kwargs)
+            with state.eager_policy() as policy:
+                return state.returned(policy, call_module_with_hooks(state.model, *args, **kwargs))
         if state.copied:  # a copy's parameters are set by its first call: link the optimizers copied with it
             state.copied = False
             for optimizer in list(_COPIED_OPTIMIZERS):
@@ -337,8 +349,8 @@ class _AmpCall:
         try:
             with _interrupts_kept(), state.lock, state.eager_policy() as policy:
                 runs, compiled = state.backend.graph_runs, len(state.backend.graphs)
-                result = self.compiled(state.model, *args, **kwargs)
-                state.after_call(runs, compiled, policy.cast_low)
+                result = state.returned(policy, self.compiled(state.model, *args, **kwargs))
+                state.after_call(runs, compiled, policy)
         except BackendCompilerFailed as error:
             inner = getattr(error, "inner_exception", None)
             if isinstance(inner, GraphampError):  # graphamp's own error, typed, not dynamo's wrapper of it
@@ -369,8 +381,8 @@ class _EncoderCall:
         self.state, self.encoder = state, encoder
 
     def __call__(self, *args, **kwargs):
-        with self.state.lock, self.state.eager_policy():  # the policy refuses an outer autocast itself
-            return call_module_with_hooks(self.encoder, *args, **kwargs)
+        with self.state.lock, self.state.eager_policy() as policy:  # the policy refuses an outer autocast itself
+            return self.state.returned(policy, call_module_with_hooks(self.encoder, *args, **kwargs))
 
 
 def __reduce_ex__(module: nn.Module, protocol: int):

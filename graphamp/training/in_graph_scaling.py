@@ -21,7 +21,8 @@ from graphamp.training.loss_scaler import reciprocal_of
 from graphamp.torch_private import tensor_version
 
 __all__ = [
-    "CheckedGradients", "ScalingFactors", "factors_read_from", "run_scaled", "scaling_factors", "times_present",
+    "CheckedGradients", "ScalingFactors", "factors_read_from", "nearest_scaling_nodes", "run_scaled", "scaled_outputs",
+    "scaling_factors", "times_present",
 ]
 
 
@@ -42,19 +43,24 @@ def factors_read_from(inputs: list) -> list[ScalingFactors]:
     """The factors of the scaled graph runs whose outputs `inputs` were computed from: on each path back through
     autograd, the nearest such run (its `_ScaleGradients` node), past any eager ops between. Parameters and inputs
     without history cost nothing; a graph break's next graph stops at the graph before it."""
-    found, seen = {}, set()
-    nodes = [t.grad_fn for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    found = {id(node.factors): node.factors for node in nearest_scaling_nodes(inputs)}
+    return list(found.values())
+
+
+def nearest_scaling_nodes(tensors: list):
+    """The autograd nodes that carry `factors` (a graph's scaling, a scaled eager cast) nearest to `tensors`, on each
+    path back through autograd, past any other nodes between."""
+    seen = set()
+    nodes = [t.grad_fn for t in tensors if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     while nodes:
         node = nodes.pop()
         if node is None or node in seen:
             continue
         seen.add(node)
-        factors = getattr(node, "factors", None)
-        if isinstance(factors, ScalingFactors):
-            found[id(factors)] = factors
+        if isinstance(getattr(node, "factors", None), ScalingFactors):
+            yield node
         else:
             nodes.extend(next_node for next_node, _ in node.next_functions)
-    return list(found.values())
 
 
 def times_present(factor: torch.Tensor, grads) -> list:
@@ -216,10 +222,10 @@ def _layout(grad: torch.Tensor) -> tuple:
 
 
 def _through(function: type[_ScaleGradients], factors: ScalingFactors, tensors: list,
-             checks: CheckedGradients | None):
-    """`tensors`, those requiring grad replaced by new ones (same storage) whose gradients pass through one
-    `function` node: only what reaches them from outside is scaled, not what reaches the originals."""
-    positions = [i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and t.requires_grad]
+             checks: CheckedGradients | None, kept: frozenset = frozenset()):
+    """`tensors`, those requiring grad (but the positions `kept`) replaced by new ones (same storage) whose gradients
+    pass through one `function` node: only what reaches them from outside is scaled, not what reaches the originals."""
+    positions = [i for i, t in enumerate(tensors) if isinstance(t, torch.Tensor) and t.requires_grad and i not in kept]
     if not positions:
         return tensors
     tensors = list(tensors)
@@ -228,10 +234,17 @@ def _through(function: type[_ScaleGradients], factors: ScalingFactors, tensors: 
     return tensors
 
 
-def run_scaled(run, inputs: list, factors: ScalingFactors, checks: CheckedGradients | None = None):
+def scaled_outputs(factors: ScalingFactors, tensors: list) -> list:
+    """`tensors` (outputs), the gradient entering each times the scale, as a graph's outputs."""
+    return _through(_ScaleGradients, factors, tensors, None)
+
+
+def run_scaled(run, inputs: list, factors: ScalingFactors, checks: CheckedGradients | None = None,
+               kept: frozenset = frozenset()):
     """`run(*inputs)` with the gradient entering its floating outputs times the scale and that leaving into each
     input requiring grad (the master weights, an activation) divided by it, checked for inf/NaN into `checks`:
-    transparent from outside."""
-    inputs = _through(_UnscaleGradients, factors, inputs, checks)
+    transparent from outside. The inputs at positions `kept` (float16 values of eager code that hold scaled
+    gradients: eager_scaling.py) get theirs as the graph computed it, scaled."""
+    inputs = _through(_UnscaleGradients, factors, inputs, checks, kept)
     # Outputs computed from other outputs (HF's loss from the logits): only the gradient from outside is scaled.
     return _through(_ScaleGradients, factors, list(run(*inputs)), None)

@@ -17,6 +17,7 @@ from graphamp.policy.dtypes import HALF_DTYPES, dtype_name, resolve_dtype
 from graphamp.training.in_graph_scaling import (
     CheckedGradients, ScalingFactors, factors_read_from, run_scaled, scaling_factors,
 )
+from graphamp.training.eager_scaling import ScaledCasts, entered_low_at
 from graphamp.training.loss_scaler import LossScaler
 from graphamp.torch_private import fused_step_takes_loss_scaling, sparse_values, tensor_version
 
@@ -183,6 +184,7 @@ class _Iteration:
             member._stage = _Stage.READY
         self.loss_scaled = False
         self.scaled_in_graph = False  # a linked model scaled gradients in its graphs since the last step
+        self.eager_scaled = False  # its eager policy's casts too (eager_scaling.py)
         self.checks.clear()
         self.scaling: dict[torch.device, ScalingFactors] = {}  # the graphs' factors, the same for each run
         self._owners: dict[int, int] | None = None
@@ -502,12 +504,35 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
         backend (``AmpBackend.link_loss_scaling``)."""
         if self.loss_scaler.is_fixed_at_one():  # bfloat16's default: the gradients need no scaling
             return run(*args)
-        self._iteration.scaled_in_graph = True
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+        factors = self._factors_for(args, self._scaling_factors_on(device))
+        # float16 values of eager code this iteration scaled (eager_scaling.py): their gradients stay scaled
+        kept = frozenset(
+            i for i, a in enumerate(args) if type(a) is torch.Tensor and a.dtype == torch.float16 and a.requires_grad
+            and entered_low_at(a) is factors
+        ) if self._iteration.eager_scaled else frozenset()
+        return run_scaled(run, list(args), factors, self._iteration.checks, kept)
+
+    def scaled_casts(self, low: torch.dtype) -> ScaledCasts | None:
+        """The scaling edges for the casts across `low`'s edge in eager code beside a linked model's graphs (its eager
+        policy takes them: training/eager_scaling.py), or None where the scale is fixed at 1.0 or `low` is not
+        float16 (bfloat16 needs no scaling: its eager ops stay as they are)."""
+        if self.loss_scaler.is_fixed_at_one() or low != torch.float16:
+            return None
+        return ScaledCasts(self._eager_factors_on, low)
+
+    def _eager_factors_on(self, device: torch.device) -> ScalingFactors:
+        self._iteration.eager_scaled = True
+        return self._scaling_factors_on(device)
+
+    def _scaling_factors_on(self, device: torch.device) -> ScalingFactors:
+        """The iteration's factors on `device`, as of its first scaled graph run or eager cast (the scale changes only
+        at its step()); the loss is then scaled inside the model, not by backward()."""
+        self._iteration.scaled_in_graph = True
         scaling = self._iteration.scaling
-        if device not in scaling:  # as of the iteration's first graph run: the scale changes only at its step()
+        if device not in scaling:
             scaling[device] = scaling_factors(self.loss_scaler.state_on(device))
-        return run_scaled(run, list(args), self._factors_for(args, scaling[device]), self._iteration.checks)
+        return scaling[device]
 
     def _factors_for(self, args: tuple, own: ScalingFactors) -> ScalingFactors:
         """The factors of a graph run that reads the outputs of a model linked to another loss scaler (a GAN's
