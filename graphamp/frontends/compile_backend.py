@@ -25,7 +25,7 @@ from graphamp.frontends.low_storage import LowStorageTensor, graph_inputs, prese
 from graphamp.frontends.module_paths import ModulePaths
 from graphamp.passes import run_passes
 from graphamp.passes.cast_pass import RewriteReport
-from graphamp.policy.config import CAST_AFTER, AmpConfig, refuse_half_parameters
+from graphamp.policy.config import CAST_AFTER, AmpConfig, check_module, refuse_half_parameters
 from graphamp.policy.dtypes import HALF_DTYPES, dtype_name
 from graphamp.policy.lists import AutoMixedPrecisionLists
 from graphamp.torch_private import (
@@ -78,6 +78,7 @@ def backend(
     refuse_unknown_inductor_options(inductor_options, "backend(inductor_options=...)")
     config = AmpConfig(amp_lists if amp_lists is not None else AutoMixedPrecisionLists(), level)
     if model is not None:
+        check_module(model, "backend(model=...)")
         config.lists.warn_unmatched_black_modules(model)
     return AmpBackend(config, inductor, inductor_options, model)
 

@@ -35,7 +35,9 @@ from graphamp.errors import ArgumentError, DoubleAmpError, GraphampError, Rewrit
 from graphamp.frontends.low_storage import LowStorageTensor, stored_values
 from graphamp.policy.aten_ops import NORM_OPS, SAME_DTYPE_OPS, is_written
 from graphamp.policy.cast_rule import cannot_run_fix, cast_target, decides_dtype
-from graphamp.policy.config import AmpConfig, check_level, is_normalization_module, warn_of_custom_fwd_casts
+from graphamp.policy.config import (
+    AmpConfig, check_level, check_module, is_normalization_module, warn_of_custom_fwd_casts,
+)
 from graphamp.policy.dtypes import HALF_DTYPES, dtype_name
 from graphamp.policy.kernel_support import runs_low_on
 from graphamp.policy.lists import BLACK, GRAY, WHITE, AutoMixedPrecisionLists, Decision
@@ -847,6 +849,8 @@ def auto_cast(amp_lists: AutoMixedPrecisionLists | None = None, level: str = "O1
     if not isinstance(enabled, bool):
         raise ArgumentError(f"auto_cast(enabled={enabled!r}): pass True or False.")
     check_level(level)
+    if model is not None:
+        check_module(model, "auto_cast(model=...)")
     config = AmpConfig(amp_lists if amp_lists is not None else AutoMixedPrecisionLists(), level)
     if config not in _RULES:  # once per lists: the scans cost ~1 ms, and a loop enters auto_cast every step
         warn_of_custom_fwd_casts("auto_cast")

@@ -53,7 +53,7 @@ _REWRITTEN: weakref.WeakSet = weakref.WeakSet()
 _COPIED_OPTIMIZERS: weakref.WeakSet = weakref.WeakSet()
 
 # Dynamo keeps its graphs, and counts its recompile limit, per code object: shared by every rewritten model, past 8
-# models a new one would run eagerly in float32. Each model compiles a code object of its own (_fresh_call_module),
+# models a new one would run eagerly. Each model compiles a code object of its own (_fresh_call_module),
 # and where torch has it (>= 2.13) its own cache for the frames after a graph break (its class's forward code).
 TORCH_ISOLATES_RECOMPILES = "isolate_recompiles" in inspect.signature(torch.compile).parameters
 _ISOLATED_RECOMPILES = {"isolate_recompiles": True} if TORCH_ISOLATES_RECOMPILES else {}

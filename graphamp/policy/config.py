@@ -77,6 +77,12 @@ def is_normalization_module(kind) -> bool:
     return isinstance(kind, str) and "Norm" in kind.rpartition(".")[2]
 
 
+def check_module(model, argument: str) -> None:
+    """A model argument that is no nn.Module: a typed error here, not an AttributeError from deep inside."""
+    if not isinstance(model, nn.Module):
+        raise ArgumentError(f"{argument} takes an nn.Module, got {type(model).__name__}.")
+
+
 def check_entry_arguments(
     entry_point: str, model, example_args, example_kwargs, amp_lists, level: str, compile: bool = False
 ) -> tuple[tuple, dict, AmpConfig]:
@@ -84,8 +90,7 @@ def check_entry_arguments(
 
     Returns the example call as (args tuple, kwargs dict) and the config (the shipped lists when None).
     """
-    if not isinstance(model, nn.Module):
-        raise ArgumentError(f"{entry_point}() takes an nn.Module, got {type(model).__name__}.")
+    check_module(model, f"{entry_point}()")
     # peft's PeftModel, by duck type (peft is not imported): the model it wraps gets peft_config, not get_base_model
     if entry_point == "rewrite" and callable(getattr(model, "get_base_model", None)) and hasattr(model, "peft_config"):
         raise ArgumentError(
