@@ -86,9 +86,9 @@ def flat(tensors) -> torch.Tensor:
     return torch.cat([(t.full_tensor() if isinstance(t, DTensor) else t).detach().reshape(-1).float() for t in tensors])
 
 
-def model_of(seed: int = 0) -> LanguageModel:
+def model_of(seed: int = 0, n_blocks: int = 2) -> LanguageModel:
     torch.manual_seed(seed)  # FSDP2 broadcasts nothing: every rank builds the same weights
-    return LanguageModel()
+    return LanguageModel(n_blocks)
 
 
 def model_lists(dtype: str = "float16") -> graphamp.AutoMixedPrecisionLists:
@@ -179,13 +179,15 @@ def scenario_ddp(rank):
 
 
 def scenario_ddp_compile(rank):
+    """One block: inductor's C++ kernels are most of this job's time (2 blocks: 13 kernels, 1: 10), and the casts'
+    decisions are the same in every block."""
     results, lists = {}, model_lists("bfloat16")
     if rank == 0:  # inductor compiles the kernels once; rank 1 loads them from its cache instead of compiling them too
-        warm = graphamp.rewrite(model_of(), amp_lists=lists, compile=True)
+        warm = graphamp.rewrite(model_of(n_blocks=1), amp_lists=lists, compile=True)
         warm(*rank_batches(rank)[0]).backward()  # no optimizer: its inf/NaN check would wait for rank 1
     dist.barrier()
     for compile in (False, True):
-        model = DistributedDataParallel(graphamp.rewrite(model_of(), amp_lists=lists, compile=compile))
+        model = DistributedDataParallel(graphamp.rewrite(model_of(n_blocks=1), amp_lists=lists, compile=compile))
         optimizer = decorated(model.parameters(), lists)
         results[compile] = {
             "losses": train(model, optimizer, rank_batches(rank)),
@@ -412,11 +414,11 @@ def test_ddp_with_compile_trains_as_ddp_eager(ranks):
     for result in results_of(ranks, scenario_ddp_compile):
         eager, compiled = result[False], result[True]
         assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-2)
-        # inductor's fused bfloat16 kernels round otherwise than the fx code's ATen ops: 1.6e-3 measured
+        # inductor's fused bfloat16 kernels round otherwise than the fx code's ATen ops: 1.1e-3 measured (one block)
         assert relative(compiled["parameters"], eager["parameters"]) <= 5e-3
         (runs, linears), = compiled["graphs"]  # what inductor compiled: the casts' decisions
         linears = dict(linears)
-        assert runs == STEPS and linears["head"] == torch.float32 and linears["body.blocks.1.up"] == torch.bfloat16
+        assert runs == STEPS and linears["head"] == torch.float32 and linears["body.blocks.0.up"] == torch.bfloat16
 
 
 def test_fsdp2_casting_the_parameters_is_refused_with_the_fix(ranks):
