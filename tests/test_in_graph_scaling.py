@@ -819,6 +819,7 @@ def grad_scalers_gradients(model_type: type, steps: int = 1, batches=frame_batch
 def linked_gradients(model_type: type, compile: bool, steps: int = 1, batches=frame_batch, recorder=None):
     """graphamp's plain loop, decorate(model=...) linked: each step's gradients and the scale after it."""
     fp16 = graphamp.AutoMixedPrecisionLists(dtype="float16")
+    torch._dynamo.reset()  # torch < 2.13 counts BreakingBlock's recompiles over every model: past the limit, no graph
     torch.manual_seed(0)
     model = graphamp.rewrite(model_type(), amp_lists=fp16, compile=compile)
     optimizer = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, model=model, incr_every_n_steps=2)
@@ -885,6 +886,7 @@ def test_the_eager_policys_casts_keep_their_gradients_unscaled_without_a_decorat
     """Linked by a function of one's own (link_loss_scaling), only the graphs scale: float16 ops beside them are warned
     of on every call. bfloat16 has no loss scaling to miss."""
     lists = graphamp.AutoMixedPrecisionLists(dtype=dtype)
+    torch._dynamo.reset()  # as in linked_gradients
     model = graphamp.rewrite(LoopOverBreakingBlocks(), amp_lists=lists)
     optimizer = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), lists, model=model)
     model._graphamp.backend.link_loss_scaling(lambda run, args: optimizer.run_graph_scaled(run, args))
