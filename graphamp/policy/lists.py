@@ -349,6 +349,10 @@ class AutoMixedPrecisionLists:
         overloads = [e for key, e in self._entries.items() if key.startswith(name + ".")]
         return overloads[0] if overloads and len({e.color for e in overloads}) == 1 else None
 
+    def overload_entries(self, name: str) -> dict[str, ListEntry]:
+        """{overload: entry} of the entries that name one overload of the packet `name` ('add.Tensor': 'Tensor')."""
+        return {key.removeprefix(name + "."): e for key, e in self._entries.items() if key.startswith(name + ".")}
+
     def promotes_packet(self, name: str) -> bool:
         """promotes(), for an op known only by its packet name."""
         return name in self.promote_ops or any(key.startswith(name + ".") for key in self.promote_ops)
