@@ -177,6 +177,15 @@ BAD_CALLS = [
                  r"missing: lists_dir is not a folder", id="lists_dir-missing"),
     pytest.param(lists_folder(**{"gray.txt": "[float16]\nexpp\n"}), ListFileError,
                  r"gray\.txt:2: unknown op 'expp'.*Did you mean 'exp'", id="typo-under-the-other-dtype"),
+    pytest.param(lists_folder(**{"white.txt": "mm\n", "promote.txt": "[float16]\natan22\n"}), ListFileError,
+                 r"promote\.txt:2: unknown op 'atan22'.*Did you mean 'atan2'", id="promote-typo-under-the-other-dtype"),
+    pytest.param(lists_folder(**{"white.txt": "mm\n", "black_modules.txt": "[float16]\nlayers.[0\n"}), ListFileError,
+                 r"black_modules\.txt:2: 'layers\.\[0' is not a valid glob", id="glob-under-the-other-dtype"),
+    # lines as an editor counts them: \n, \r\n or \r end one; \f and U+2028 do not (str.splitlines() breaks at both)
+    pytest.param(lists_folder(**{"white.txt": "mm  # matmuls\u2028softmax\nexpp\n"}), ListFileError,
+                 r"white\.txt:2: unknown op 'expp'", id="line-separator-in-a-comment"),
+    pytest.param(lists_folder(**{"white.txt": "mm\n\f\nexpp\n"}), ListFileError,
+                 r"white\.txt:2: .* holds the invisible character '\\x0c'", id="form-feed-line"),
     # invisible characters, shown escaped with file:line
     pytest.param(lists_folder(**{"white.txt": "# matmuls\nm\u200bm\n"}), ListFileError,
                  r"white\.txt:2: 'm\\u200bm' holds the invisible character '\\u200b'", id="zero-width-space"),

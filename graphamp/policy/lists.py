@@ -22,7 +22,7 @@ from graphamp.policy.dtypes import dtype_name, resolve_dtype
 from graphamp.errors import ListFileError
 from graphamp.policy.list_files import (
     BLACK_MODULES_FILE, OP_LIST_FILES, PROMOTE_FILE, check_lists_folder, check_visible, default_lists_dir,
-    read_list_entries, read_list_file,
+    read_list_entries,
 )
 from graphamp.torch_private import (
     OpOverload, OpOverloadPacket, all_op_schemas, op_schema, op_schemas_named, qualified_op_name,
@@ -261,21 +261,25 @@ class AutoMixedPrecisionLists:
                 del self._entries[other]
             self._entries[name] = ListEntry(name, color, f"custom_{color}_list")
 
+    def _read_entries(self, file: str, check, globs: bool = False) -> list[tuple[str, str]]:
+        """The (entry, 'file:line') pairs of one of the folder's files that apply to the dtype ([] without the file);
+        `check(entry, where)` runs on the entries of every section, so a typo shows whatever the dtype."""
+        path = self.lists_dir / file
+        entries = read_list_entries(path, self._display(path), globs) if path.exists() else []
+        for entry, where, _ in entries:
+            check(entry, where)
+        return [(entry, where) for entry, where, section in entries if section in (None, self.dtype)]
+
     def _read_black_modules(self, custom_black_modules) -> tuple[ListEntry, ...]:
-        path = self.lists_dir / BLACK_MODULES_FILE
-        listed = read_list_file(path, self.dtype, self._display(path), globs=True) if path.exists() else []
+        listed = self._read_entries(BLACK_MODULES_FILE, check_module_pattern, globs=True)
         custom = [(p, f"custom_black_modules: {p}") for p in custom_black_modules]
-        patterns = tuple(ListEntry(name, BLACK, where) for name, where in [*listed, *custom])
-        for pattern in patterns:
-            check_module_pattern(pattern.name, pattern.source)
-        return patterns
+        for pattern, where in custom:
+            check_module_pattern(pattern, where)
+        return tuple(ListEntry(name, BLACK, where) for name, where in [*listed, *custom])
 
     def _read_promote_ops(self) -> frozenset[str]:
         """The op names of the folder's promote.txt (none when it has no such file)."""
-        path = self.lists_dir / PROMOTE_FILE
-        entries = read_list_file(path, self.dtype, self._display(path)) if path.exists() else []
-        for entry, where in entries:
-            check_op_name(canonical_op_name(entry), where)
+        entries = self._read_entries(PROMOTE_FILE, lambda entry, where: check_op_name(canonical_op_name(entry), where))
         return frozenset(canonical_op_name(entry) for entry, _ in entries)
 
     def warn_unmatched_black_modules(self, model: torch.nn.Module) -> None:
