@@ -374,6 +374,21 @@ def test_an_unmatched_black_module_pattern_warns_on_export_program_too():
 
 
 
+class BranchingHead(Head):
+    """The head called in one branch of a torch.cond: non-strict torch.export records no module path in its body."""
+
+    def forward(self, x):
+        hidden = self.body(x)
+        return torch.cond(hidden.sum() > 0, lambda h: self.head(h), lambda h: h[..., :2] * 2, (hidden,))
+
+
+def test_export_program_says_black_module_patterns_cannot_reach_a_cond_bodys_ops():
+    """Kept FP32 by rewrite(), which knows the body's module paths; export_program() cannot tell, and says so."""
+    with pytest.warns(UserWarning, match=r"records no module path inside cond bodies, so the black-module patterns "
+                                          r"cannot keep their ops FP32.*rewrite\(\) knows those paths"):
+        graphamp.export_program(BranchingHead(), (x(),), amp_lists=bf16_lists(custom_black_modules=["head"]))
+
+
 def test_an_unmatched_black_module_pattern_warns_on_auto_cast_once_per_lists():
     """auto_cast(model=) is entered every step: it warns on the first entry with these lists, not on each."""
     lists = bf16_lists(custom_black_modules=["lm_head"])
