@@ -220,6 +220,14 @@ BAD_CALLS = [
     pytest.param(export_into_a_file, ExportError, r"out: is a file, not a folder", id="export-into-a-file"),
     pytest.param(lambda tmp: export_into_a_file(tmp, rewritten_model), ExportError, r"out: is a file, not a folder",
                  id="export-a-rewritten-model-into-a-file"),
+    pytest.param(lambda tmp: graphamp.export(program(), tmp / "out", example_args=[x()]), ArgumentError,
+                 r"export\(\) got example_args as a list.*pass a tuple of positional arguments",
+                 id="export-example_args-a-list"),
+    pytest.param(lambda tmp: graphamp.export(program(), tmp / "out", model="model"), ArgumentError,
+                 r"export\(\) got .* model as a str", id="export-model-a-string"),
+    pytest.param(lambda tmp: graphamp.export(program(), tmp / "out", example_args=(torch.randn(2, 5),)),
+                 ArgumentError, r"export\(\): the program cannot run on the example inputs \(.*\); pass "
+                 r"example_args/example_kwargs of one call that fits it", id="export-examples-that-do-not-fit"),
     pytest.param(lambda tmp: graphamp.export(nn.Linear(4, 4), tmp / "out"), ArgumentError,
                  r"export\(\) takes the ExportedProgram graphamp\.export_program\(\) returns.*For an FP32 model: "
                  r"graphamp\.export\(graphamp\.export_program\(model, example_args\), out_dir, model=model\)",
