@@ -151,6 +151,8 @@ BAD_CALLS = [
                  ArgumentError,
                  r"checkpoint='layers\.\*' matches no submodule of Head; module paths look like body, head",
                  id="rewrite-checkpoint-matching-nothing"),
+    pytest.param(lambda tmp: graphamp.rewrite(Head(), (x(),), amp_lists=bf16_lists(), checkpoint=["head"]),
+                 ArgumentError, r"checkpoint=\['head'\]: pass one module path or glob", id="rewrite-checkpoint-a-list"),
     pytest.param(rewritten_model_called_under_autocast, DoubleAmpError,
                  r"Linear, rewritten by graphamp, was called inside an active torch\.autocast region on cpu: .*"
                  r"drop the torch\.autocast context", id="rewritten-model-called-under-autocast"),
@@ -173,6 +175,8 @@ BAD_CALLS = [
                  r"black_modules\.txt", id="lists_dir-without-list-files"),
     pytest.param(lists_folder(**{"White.txt": "mm\n"}), ListFileError,
                  r"White\.txt: graphamp does not read this file; did you mean white\.txt\?", id="lists_dir-White.txt"),
+    pytest.param(lambda tmp: AutoMixedPrecisionLists(lists_dir=5), ListFileError,
+                 r"lists_dir=5: pass the path of a lists folder", id="lists_dir-a-number"),
     pytest.param(lambda tmp: AutoMixedPrecisionLists(lists_dir=tmp / "missing"), ListFileError,
                  r"missing: lists_dir is not a folder", id="lists_dir-missing"),
     pytest.param(lists_folder(**{"gray.txt": "[float16]\nexpp\n"}), ListFileError,

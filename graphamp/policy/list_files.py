@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import codecs
 import difflib
+import os
 import re
 import warnings
 from pathlib import Path
@@ -38,6 +39,8 @@ def default_lists_dir() -> Path:
 def check_lists_folder(folder: Path) -> None:
     """Raise ListFileError for a folder that would silently load as empty or partial lists (a misnamed list file
     would be ignored); warn for one whose white.txt holds no entry."""
+    if not isinstance(folder, (str, os.PathLike)):
+        raise ListFileError(f"lists_dir={folder!r}: pass the path of a lists folder (a str or a Path).")
     folder = Path(folder)
     if not folder.is_dir():
         raise ListFileError(f"{folder}: lists_dir is not a folder; pass a folder holding {', '.join(LIST_FILES)}.")

@@ -203,9 +203,9 @@ class AutoMixedPrecisionLists:
         dtype="float16", lists_dir=None,
     ):
         self.dtype = resolve_dtype(dtype)
-        self.lists_dir = Path(lists_dir) if lists_dir is not None else default_lists_dir()
         if lists_dir is not None:
-            check_lists_folder(self.lists_dir)
+            check_lists_folder(lists_dir)
+        self.lists_dir = Path(lists_dir) if lists_dir is not None else default_lists_dir()
         self._entries: dict[str, ListEntry] = {}
         unregistered: list[str] = []
         self._read_default_files(unregistered)
