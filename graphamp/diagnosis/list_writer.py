@@ -61,7 +61,7 @@ def write_lists(
     for file in LIST_FILES:
         header = _HEADER.format(file=file, what=_WHAT[file], dtype=dtype_name(diagnosed), folder=str(folder))
         if file == PROMOTE_FILE:  # no change of the doctor's touches it; each dtype keeps its own entries
-            promote = {lists.dtype: dict.fromkeys(lists.promote_ops, ("promote", "the promote.txt read"))
+            promote = {lists.dtype: {e.name: (e.color, e.source) for e in lists.promote_entries}
                        for lists in (amp_lists, other_lists)}
             body = _sections(promote, "promote", diagnosed, other)
         else:

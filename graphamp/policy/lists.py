@@ -218,7 +218,8 @@ class AutoMixedPrecisionLists:
         warn_unregistered(unregistered)
         self.custom_black_modules = tuple(_as_names(custom_black_modules, "custom_black_modules", _MODULE_PATTERNS))
         self.black_modules = self._read_black_modules(self.custom_black_modules)
-        self.promote_ops = self._read_promote_ops()
+        self.promote_entries = self._read_promote_entries()
+        self.promote_ops = frozenset(entry.name for entry in self.promote_entries)
 
     # -- reading -------------------------------------------------------------------------------------------
     def _display(self, path: Path) -> str:
@@ -277,10 +278,10 @@ class AutoMixedPrecisionLists:
             check_module_pattern(pattern, where)
         return tuple(ListEntry(name, BLACK, where) for name, where in [*listed, *custom])
 
-    def _read_promote_ops(self) -> frozenset[str]:
-        """The op names of the folder's promote.txt (none when it has no such file)."""
+    def _read_promote_entries(self) -> tuple[ListEntry, ...]:
+        """The entries of the folder's promote.txt (none when it has no such file), colored 'promote'."""
         entries = self._read_entries(PROMOTE_FILE, lambda entry, where: check_op_name(canonical_op_name(entry), where))
-        return frozenset(canonical_op_name(entry) for entry, _ in entries)
+        return tuple(ListEntry(canonical_op_name(entry), "promote", where) for entry, where in entries)
 
     def warn_unmatched_black_modules(self, model: torch.nn.Module) -> None:
         """Warn for each black-module pattern that matches no module of `model`, naming the closest paths:
@@ -393,9 +394,10 @@ class AutoMixedPrecisionLists:
             entries = self.entries(color)
             lines.append(f"{color} ({len(entries)}):")
             lines += [f"  {e.name:<40} {e.source}" for e in entries]
-        if self.black_modules:
-            lines.append(f"black modules ({len(self.black_modules)}):")
-            lines += [f"  {e.name:<40} {e.source}" for e in self.black_modules]
+        for title, entries in (("promote", self.promote_entries), ("black modules", self.black_modules)):
+            if entries:
+                lines.append(f"{title} ({len(entries)}):")
+                lines += [f"  {e.name:<40} {e.source}" for e in entries]
         return "\n".join(lines)
 
     def __repr__(self) -> str:
