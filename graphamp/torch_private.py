@@ -43,6 +43,7 @@ __all__ = [
     "module_buffers",
     "never_a_frame_of_its_own", "op_schema", "op_schemas_named", "outside_every_mode", "pytree", "qualified_op_name",
     "recompile_limit", "recording_functorch_transforms", "register_sub_graph", "rerun_checkpointed_region_as",
+    "resolve_overload",
     "set_dynamo_config", "size_oblivious_tracing", "sparse_values", "tensor_version", "this_thread_traces",
     "trace_inside_make_fx",
     "tracing_context", "tracing_on_fake_tensors", "wrap_autocast_regions",
@@ -82,6 +83,11 @@ all_op_schemas = torch._C._jit_get_all_schemas
 # op_schemas_named('namespace::name'): the op's schemas, one per overload; [] if none is registered. Pinned by
 # tests/test_bad_input.py (test_an_op_spelled_as_node_target_prints_it_is_that_overload).
 op_schemas_named = torch._C._jit_get_schemas_for_operator
+
+
+# resolve_overload('aten::add', *args, **kwargs): the overload name ('Tensor', '' for default) the dispatcher picks for
+# a call of the packet. Pinned by tests/test_eager_policy.py (test_an_overload_entry_decides_its_overload_eagerly).
+resolve_overload = torch._C._jit_resolve_packet
 
 
 # -- modes and fake tensors --------------------------------------------------------------------------------------

@@ -155,6 +155,8 @@ BAD_CALLS = [
                  ArgumentError,
                  r"checkpoint='layers\.\*' matches no submodule of Head; module paths look like body, head",
                  id="rewrite-checkpoint-matching-nothing"),
+    pytest.param(lambda tmp: graphamp.rewrite(Head(), (x(),), amp_lists=bf16_lists(), checkpoint=["head"]),
+                 ArgumentError, r"checkpoint=\['head'\]: pass one module path or glob", id="rewrite-checkpoint-a-list"),
     pytest.param(rewritten_model_called_under_autocast, DoubleAmpError,
                  r"Linear, rewritten by graphamp, was called inside an active torch\.autocast region on cpu: .*"
                  r"drop the torch\.autocast context", id="rewritten-model-called-under-autocast"),
@@ -177,10 +179,21 @@ BAD_CALLS = [
                  r"black_modules\.txt", id="lists_dir-without-list-files"),
     pytest.param(lists_folder(**{"White.txt": "mm\n"}), ListFileError,
                  r"White\.txt: graphamp does not read this file; did you mean white\.txt\?", id="lists_dir-White.txt"),
+    pytest.param(lambda tmp: AutoMixedPrecisionLists(lists_dir=5), ListFileError,
+                 r"lists_dir=5: pass the path of a lists folder", id="lists_dir-a-number"),
     pytest.param(lambda tmp: AutoMixedPrecisionLists(lists_dir=tmp / "missing"), ListFileError,
                  r"missing: lists_dir is not a folder", id="lists_dir-missing"),
     pytest.param(lists_folder(**{"gray.txt": "[float16]\nexpp\n"}), ListFileError,
                  r"gray\.txt:2: unknown op 'expp'.*Did you mean 'exp'", id="typo-under-the-other-dtype"),
+    pytest.param(lists_folder(**{"white.txt": "mm\n", "promote.txt": "[float16]\natan22\n"}), ListFileError,
+                 r"promote\.txt:2: unknown op 'atan22'.*Did you mean 'atan2'", id="promote-typo-under-the-other-dtype"),
+    pytest.param(lists_folder(**{"white.txt": "mm\n", "black_modules.txt": "[float16]\nlayers.[0\n"}), ListFileError,
+                 r"black_modules\.txt:2: 'layers\.\[0' is not a valid glob", id="glob-under-the-other-dtype"),
+    # lines as an editor counts them: \n, \r\n or \r end one; \f and U+2028 do not (str.splitlines() breaks at both)
+    pytest.param(lists_folder(**{"white.txt": "mm  # matmuls\u2028softmax\nexpp\n"}), ListFileError,
+                 r"white\.txt:2: unknown op 'expp'", id="line-separator-in-a-comment"),
+    pytest.param(lists_folder(**{"white.txt": "mm\n\f\nexpp\n"}), ListFileError,
+                 r"white\.txt:2: .* holds the invisible character '\\x0c'", id="form-feed-line"),
     # invisible characters, shown escaped with file:line
     pytest.param(lists_folder(**{"white.txt": "# matmuls\nm\u200bm\n"}), ListFileError,
                  r"white\.txt:2: 'm\\u200bm' holds the invisible character '\\u200b'", id="zero-width-space"),
@@ -215,6 +228,14 @@ BAD_CALLS = [
     pytest.param(export_into_a_file, ExportError, r"out: is a file, not a folder", id="export-into-a-file"),
     pytest.param(lambda tmp: export_into_a_file(tmp, rewritten_model), ExportError, r"out: is a file, not a folder",
                  id="export-a-rewritten-model-into-a-file"),
+    pytest.param(lambda tmp: graphamp.export(program(), tmp / "out", example_args=[x()]), ArgumentError,
+                 r"export\(\) got example_args as a list.*pass a tuple of positional arguments",
+                 id="export-example_args-a-list"),
+    pytest.param(lambda tmp: graphamp.export(program(), tmp / "out", model="model"), ArgumentError,
+                 r"export\(\) got .* model as a str", id="export-model-a-string"),
+    pytest.param(lambda tmp: graphamp.export(program(), tmp / "out", example_args=(torch.randn(2, 5),)),
+                 ArgumentError, r"export\(\): the program cannot run on the example inputs \(.*\); pass "
+                 r"example_args/example_kwargs of one call that fits it", id="export-examples-that-do-not-fit"),
     pytest.param(lambda tmp: graphamp.export(nn.Linear(4, 4), tmp / "out"), ArgumentError,
                  r"export\(\) takes the ExportedProgram graphamp\.export_program\(\) returns.*For an FP32 model: "
                  r"graphamp\.export\(graphamp\.export_program\(model, example_args\), out_dir, model=model\)",
@@ -367,6 +388,21 @@ def test_an_unmatched_black_module_pattern_warns_on_export_program_too():
                                           r"paths: head"):
         graphamp.export_program(Head(), (x(),), amp_lists=lists)
 
+
+
+class BranchingHead(Head):
+    """The head called in one branch of a torch.cond: non-strict torch.export records no module path in its body."""
+
+    def forward(self, x):
+        hidden = self.body(x)
+        return torch.cond(hidden.sum() > 0, lambda h: self.head(h), lambda h: h[..., :2] * 2, (hidden,))
+
+
+def test_export_program_says_black_module_patterns_cannot_reach_a_cond_bodys_ops():
+    """Kept FP32 by rewrite(), which knows the body's module paths; export_program() cannot tell, and says so."""
+    with pytest.warns(UserWarning, match=r"records no module path inside cond bodies, so the black-module patterns "
+                                          r"cannot keep their ops FP32.*rewrite\(\) knows those paths"):
+        graphamp.export_program(BranchingHead(), (x(),), amp_lists=bf16_lists(custom_black_modules=["head"]))
 
 
 def test_an_unmatched_black_module_pattern_warns_on_auto_cast_once_per_lists():

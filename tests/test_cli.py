@@ -41,6 +41,15 @@ def test_lists_prints_every_entry_with_its_source(capsys):
     assert any(line.split()[:1] == ["addmm"] and "lists/white.txt:" in line for line in out.splitlines())
 
 
+
+def test_lists_prints_the_promote_entries_with_their_source(tmp_path, capsys, write_lists):
+    folder = write_lists(tmp_path / "mine", white="mm\n", promote="# mixed inputs meet at the widest\natan2\n")
+
+    assert main(["lists", "--lists", str(folder)]) == 0
+
+    out = capsys.readouterr().out.splitlines()
+    assert out[out.index("promote (1):") + 1].split() == ["atan2", f"{folder / 'promote.txt'}:2"]
+
 def test_lists_reads_the_folder_given(tmp_path, capsys, write_lists):
     folder = write_lists(tmp_path / "mine", white="# mine\nmm\n")
 

@@ -385,6 +385,31 @@ def test_a_black_op_whose_kernel_refuses_low_inputs_with_dtype_float32_reads_the
     assert relative_error(out, expected) < 2e-2
 
 
+class Doubled(nn.Module):
+    """A linear's low output added to itself (add.Tensor) and to a number (add.Tensor too, the number wrapped)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.proj(x)
+        return (h + h) + 1.0
+
+
+@pytest.mark.parametrize("front", ["rewrite", "export", "auto_cast"])
+def test_an_overload_entry_decides_its_overload_eagerly_as_in_the_graphs(front):
+    """'add.Tensor' black beside the shipped gray 'add': the more specific entry decides (lists/README.md), though a
+    torch call names only the packet."""
+    lists = graphamp.AutoMixedPrecisionLists(dtype="bfloat16", custom_black_list=["add.Tensor"])
+    model, x = Doubled(), torch.randn(2, 8)
+    run = run_through(front, model, x, lists)
+    with CompiledCodeRecorder() as recorder:
+        run(x)
+    assert low_and_fp32(recorder) == (1, 0)
+    assert [c.in_dtypes for c in recorder.calls_of("add")] == [(torch.float32,) * 2, (torch.float32,)]
+
+
 class Normalized(nn.Module):
     """F.normalize of a linear's low output: its Tensor.norm passes `dtype=None` on to torch.norm (black)."""
 

@@ -359,7 +359,9 @@ def test_report_reruns_the_program_on_the_example_args_given(bf16, tmp_path):
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1), nn.Flatten(0))
     program = graphamp.export_program(model, (torch.randn(4, 8),), amp_lists=bf16)
 
-    with pytest.raises(AssertionError, match=r"size\(\)\[0\] == 4"):  # the static program meets the batch given
+    # the static program meets the batch given: a typed error naming torch's guard
+    with pytest.raises(graphamp.ArgumentError, match=r"cannot run on the example inputs \(AssertionError: .*"
+                                                     r"size\(\)\[0\] == 4"):
         graphamp.export(program, tmp_path / "a", example_args=(torch.randn(3, 8),), model=model)
     page = (graphamp.export(program, tmp_path / "b", example_args=(torch.randn(4, 8),), model=model) / "report.html")
 
@@ -461,6 +463,15 @@ def test_export_of_a_rewritten_model_writes_a_folder_per_graph(bf16, tmp_path, c
         assert summary["casts"] == graph.report.casts_inserted == len(inserted_casts(summary)) > 0
         assert "white" in {n["decision"] for n in summary["nodes"]}
 
+
+
+def test_an_export_over_one_of_more_graphs_leaves_no_folder_of_a_graph_the_model_lacks(bf16, tmp_path):
+    graphamp.export(graphamp.rewrite(BrokenInTwo(), (torch.randn(4, 8),), amp_lists=bf16), tmp_path / "graphs")
+    one_graph = graphamp.rewrite(nn.Linear(8, 8), (torch.randn(4, 8),), amp_lists=bf16)
+
+    out = graphamp.export(one_graph, tmp_path / "graphs", overwrite=True)
+
+    assert sorted(p.name for p in out.iterdir()) == ["graph_0"]
 
 def test_export_of_a_rewritten_model_that_has_not_run_asks_for_a_call(bf16, tmp_path):
     model = graphamp.rewrite(nn.Linear(4, 4), amp_lists=bf16)

@@ -5,6 +5,7 @@ import warnings
 import pytest
 import torch
 
+from conftest import write_list_folder
 from graphamp.errors import ListFileError
 from graphamp.diagnosis.list_writer import write_lists
 from graphamp.policy.lists import AutoMixedPrecisionLists, default_lists_dir
@@ -172,6 +173,16 @@ def test_a_black_module_is_added_for_the_diagnosed_dtype_only(tmp_path):
     assert module_names(read_back(folder, "bfloat16")) == ["lm_head"]
     section, line = line_of(folder / "black_modules.txt", "encoder.*.pool")
     assert (section, line) == ("[float16]", "encoder.*.pool  # doctor: max |x| 8e4")
+
+
+@pytest.mark.parametrize("diagnosed", ["float16", "bfloat16"])
+def test_promote_entries_of_one_dtype_read_back_for_that_dtype_only(tmp_path, diagnosed):
+    source = write_list_folder(tmp_path / "source", white="mm\n", promote="atan2\n[float16]\nlerp\n")
+
+    folder = write_lists(tmp_path / "written", AutoMixedPrecisionLists(dtype=diagnosed, lists_dir=source))
+
+    assert read_back(folder, "float16").promote_ops == {"atan2", "lerp"}
+    assert read_back(folder, "bfloat16").promote_ops == {"atan2"}
 
 
 # -- safety -----------------------------------------------------------------------------------------------

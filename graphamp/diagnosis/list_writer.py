@@ -60,8 +60,10 @@ def write_lists(
     folder.mkdir(parents=True, exist_ok=True)
     for file in LIST_FILES:
         header = _HEADER.format(file=file, what=_WHAT[file], dtype=dtype_name(diagnosed), folder=str(folder))
-        if file == PROMOTE_FILE:  # the same for both dtypes, and no change of the doctor's touches it
-            body = "[all]\n" + "".join(f"{name}\n" for name in sorted(amp_lists.promote_ops))
+        if file == PROMOTE_FILE:  # no change of the doctor's touches it; each dtype keeps its own entries
+            promote = {lists.dtype: {e.name: (e.color, e.source) for e in lists.promote_entries}
+                       for lists in (amp_lists, other_lists)}
+            body = _sections(promote, "promote", diagnosed, other)
         else:
             entries, color = (modules, BLACK) if file == BLACK_MODULES_FILE else (ops, file.removesuffix(".txt"))
             body = _sections(entries, color, diagnosed, other)

@@ -43,7 +43,7 @@ from graphamp.policy.kernel_support import runs_low_on
 from graphamp.policy.lists import BLACK, GRAY, WHITE, AutoMixedPrecisionLists, Decision
 from graphamp.torch_private import (
     OpOverload, OpOverloadPacket, dynamo_traces_this_thread, never_a_frame_of_its_own, op_schema, outside_every_mode,
-    qualified_op_name, rerun_checkpointed_region_as, tensor_version, tracing_on_fake_tensors,
+    qualified_op_name, rerun_checkpointed_region_as, resolve_overload, tensor_version, tracing_on_fake_tensors,
 )
 
 __all__ = ["EagerPolicy", "ModelFacts", "auto_cast", "policy_lifted", "rules_for"]
@@ -132,8 +132,18 @@ class _Rules:
             return _FOLLOW if isinstance(function, types.FunctionType) and module in _FOLLOWED_MODULES else None
         if name in _LEFT_ALONE or name in _MODEL_CASTS:
             return None
+        entry = self.config.lists.classify_packet(name)
+        rule = self._rule_of(name, entry)
+        # An overload entry of another color ('add.Tensor' black, 'add' gray) decides its overload, as in the graphs:
+        # a torch call names only the packet, so such a packet's calls are resolved to their overload.
+        overloads = {overload: self._rule_of(name, other)
+                     for overload, other in self.config.lists.overload_entries(name).items()
+                     if entry is None or other.color != entry.color}
+        return _ByOverload(qualified_op_name(_aten_packet(name)), overloads, rule) if overloads else rule
+
+    def _rule_of(self, name: str, entry) -> _Rule:
+        """The rule of the op `name` decided by the list `entry` (None: unlisted)."""
         lists = self.config.lists
-        entry = lists.classify_packet(name)
         decision, source = (Decision(entry.color), entry.source) if entry is not None else (Decision.UNLISTED, "")
         packet = _aten_packet(name)
         dtype_argument = decision == BLACK and packet is not None and any(
@@ -166,6 +176,22 @@ def _scaled_rule(rule, function):
 
 def _needs_no_gradient(values) -> bool:
     return not (values and isinstance(values[0], torch.Tensor) and values[0].requires_grad)
+
+
+@dataclass(frozen=True)
+class _ByOverload:
+    """The rules of a packet whose overloads the lists decide apart: each call is resolved to its overload."""
+
+    packet: str  # 'aten::add'
+    rules: dict  # overload name -> its _Rule
+    default: _Rule  # the packet's own rule, for the other overloads
+
+    def pick(self, args, kwargs) -> _Rule:
+        try:
+            overload = resolve_overload(self.packet, *args, **(kwargs or {}))
+        except RuntimeError:  # no overload fits: the call raises as written, by the packet's rule
+            return self.default
+        return self.rules.get(overload or "default", self.default)
 
 
 def _written_arguments(packet) -> set:
@@ -292,6 +318,10 @@ class EagerPolicy(TorchFunctionMode):
         rule = self._by_function.get(func, _UNKNOWN)
         if rule is _UNKNOWN:
             rule = self._rule_for(func)
+        if type(rule) is _ByOverload:
+            rule = rule.pick(args, kwargs)
+            if self.scaling is not None:
+                rule = _scaled_rule(rule, func)
         try:
             if rule is None or (self._by_op_alone and rule is not _FOLLOW and
                                 rule.keeps((*args, *kwargs.values()) if kwargs else args)):

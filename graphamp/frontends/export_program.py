@@ -26,7 +26,9 @@ from graphamp.passes import run_passes
 from graphamp.passes.number_range import CONSTANT_INPUT
 from graphamp.passes.marks import mark_of
 from graphamp.policy.config import check_entry_arguments
-from graphamp.torch_private import global_module_hooks_removed_on_failure, pytree
+from graphamp.torch_private import (
+    HigherOrderOperator, OpOverload, global_module_hooks_removed_on_failure, pytree,
+)
 
 __all__ = ["capture_program", "explain_capture_failure", "export_program", "rewrite_program"]
 
@@ -57,7 +59,29 @@ def export_program(
         pytree.tree_leaves((args, kwargs)), f"graphamp.export_program() of {type(model).__name__} was called"
     )
     program = capture_program(model, args, kwargs, dynamic, config.lists.promote_ops)
+    if config.lists.black_modules:
+        _warn_of_bodies_without_module_paths(program.graph_module)
     return rewrite_program(program, config.for_model(model))  # a shared module is black by any of its names
+
+
+def _warn_of_bodies_without_module_paths(graph_module: torch.fx.GraphModule) -> None:
+    """torch.export (non-strict) records no module path in the bodies of torch.cond, while_loop, ...: black-module
+    patterns cannot reach the ops there, which the lists then decide by op alone. Say so, rather than run them low."""
+    found = {
+        node.target.__name__
+        for module in graph_module.modules() if isinstance(module, torch.fx.GraphModule)
+        for node in module.graph.nodes if isinstance(node.target, HigherOrderOperator)
+        and not node.target.__name__.startswith("wrap_with_")  # no_grad and autocast regions keep their paths
+        for body in node.args if isinstance(body, torch.fx.Node) and body.op == "get_attr"
+        if any(isinstance(op.target, OpOverload) and not op.meta.get("nn_module_stack")
+               for op in getattr(module, body.target).graph.nodes)
+    }
+    if found:
+        warnings.warn(
+            f"export_program(): torch.export records no module path inside {', '.join(sorted(found))} bodies, so the "
+            f"black-module patterns cannot keep their ops FP32: there the op lists alone decide. rewrite() knows those "
+            f"paths; or put the ops on custom_black_list.", stacklevel=3,
+        )
 
 
 def rewrite_program(program: ExportedProgram, config) -> ExportedProgram:

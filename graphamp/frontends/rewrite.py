@@ -606,6 +606,8 @@ def _checkpoint_modules(model: nn.Module, pattern: str) -> list[tuple[nn.Module,
     returns each module with the instance forward it had (None if its class's)."""
     from torch.utils.checkpoint import checkpoint
 
+    if not isinstance(pattern, str):
+        raise ArgumentError(f"checkpoint={pattern!r}: pass one module path or glob, e.g. 'transformer.h.*'.")
     matched = [name for name, _ in model.named_modules() if name and fnmatch.fnmatchcase(name, pattern)]
     if not matched:
         names = [name for name, _ in model.named_modules() if name][:8]

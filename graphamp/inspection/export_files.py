@@ -8,10 +8,12 @@ from __future__ import annotations
 import difflib
 import json
 import re
+import shutil
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
+from torch import nn
 from torch.export import ExportedProgram
 from torch.fx import GraphModule
 
@@ -49,6 +51,13 @@ def export(what, out_dir, example_args=None, example_kwargs=None, overwrite: boo
         The folder.
     """
     out = Path(out_dir)
+    if isinstance(example_args, list) or not isinstance(example_kwargs, (dict, type(None))) or \
+            not isinstance(model, (nn.Module, type(None))):
+        raise ArgumentError(
+            f"export() got example_args as a {type(example_args).__name__}, example_kwargs as a "
+            f"{type(example_kwargs).__name__} and model as a {type(model).__name__}; pass a tuple of positional "
+            f"arguments ((x,), or ([x, y],) for one list), a dict of keyword arguments and the FP32 nn.Module."
+        )
     if isinstance(what, ExportedProgram):
         return _export_program(what, out, example_args, example_kwargs, overwrite, model)
     if isinstance(what, AmpBackend) or is_rewritten(what):
@@ -98,6 +107,9 @@ def _export_graphs(what, out: Path, overwrite: bool) -> Path:
     folders = [out / f"graph_{i}" for i in range(len(graphs))]
     for folder in folders:
         check_out_dir(folder, overwrite)
+    for stale in out.glob("graph_*") if overwrite else ():  # an earlier export's extra graphs are no graphs of this
+        if stale not in folders and stale.is_dir() and {f.name for f in stale.iterdir()} <= set(FILES):
+            shutil.rmtree(stale)
     name = "torch.compile" if isinstance(what, AmpBackend) else type(what).__name__
     for i, (folder, graph) in enumerate(zip(folders, graphs)):
         placeholders = graph.graph_module.graph.find_nodes(op="placeholder")
@@ -261,7 +273,13 @@ def count_executed_casts(program: ExportedProgram, model, inputs: tuple, dtype: 
     args, kwargs = inputs
     module = program.module()
     with _state_kept(module), _state_kept(model) if model is not None else nullcontext():
-        graphamp, forward_only = _casts_of(module, args, kwargs, nullcontext())
+        try:
+            graphamp, forward_only = _casts_of(module, args, kwargs, nullcontext())
+        except Exception as error:  # the program checks its inputs' shapes and structure as it was exported
+            raise ArgumentError(
+                f"export(): the program cannot run on the example inputs ({_first_line(error)}); pass "
+                f"example_args/example_kwargs of one call that fits it, or none to rerun it on those it was exported on."
+            ) from error
         if model is None:
             return CastCounts(graphamp, None, forward_only, "pass model= (the FP32 model) to graphamp.export to count "
                               "them")

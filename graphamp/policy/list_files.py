@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import codecs
 import difflib
+import os
+import re
 import warnings
 from pathlib import Path
 
@@ -17,7 +19,7 @@ from graphamp.errors import ListFileError
 
 __all__ = [
     "BLACK_MODULES_FILE", "LIST_FILES", "OP_LIST_FILES", "PROMOTE_FILE", "SECTIONS", "check_lists_folder",
-    "check_visible", "default_lists_dir", "no_white_entries", "read_list_entries", "read_list_file",
+    "check_visible", "default_lists_dir", "no_white_entries", "read_list_entries",
 ]
 
 OP_LIST_FILES = {"white": "white.txt", "black": "black.txt", "gray": "gray.txt"}  # by color
@@ -37,6 +39,8 @@ def default_lists_dir() -> Path:
 def check_lists_folder(folder: Path) -> None:
     """Raise ListFileError for a folder that would silently load as empty or partial lists (a misnamed list file
     would be ignored); warn for one whose white.txt holds no entry."""
+    if not isinstance(folder, (str, os.PathLike)):
+        raise ListFileError(f"lists_dir={folder!r}: pass the path of a lists folder (a str or a Path).")
     folder = Path(folder)
     if not folder.is_dir():
         raise ListFileError(f"{folder}: lists_dir is not a folder; pass a folder holding {', '.join(LIST_FILES)}.")
@@ -102,7 +106,9 @@ def read_list_entries(path: Path, display: str, globs: bool = False) -> list[tup
         ) from error
     section_dtype = None
     entries = []
-    for number, raw in enumerate(text.splitlines(), start=1):
+    # Lines end at \n, \r\n or \r, as an editor counts them: str.splitlines() also breaks at \f, \x85 and U+2028,
+    # which would shift every later line number and make the text after one in a comment an entry.
+    for number, raw in enumerate(re.split(r"\r\n|\r|\n", text), start=1):
         where = f"{display}:{number}"
         check_visible(raw.split("#", 1)[0], where)  # before strip(), which would drop a trailing no-break space
         line = raw.split("#", 1)[0].strip()
@@ -121,8 +127,3 @@ def read_list_entries(path: Path, display: str, globs: bool = False) -> list[tup
         entries.append((line, where, section_dtype))
     return entries
 
-
-def read_list_file(path: Path, dtype: torch.dtype, display: str, globs: bool = False) -> list[tuple[str, str]]:
-    """The (entry, 'file:line') pairs of read_list_entries that apply to `dtype`, in file order; its errors too."""
-    entries = read_list_entries(path, display, globs)
-    return [(entry, where) for entry, where, section in entries if section in (None, dtype)]

@@ -22,7 +22,7 @@ from graphamp.policy.dtypes import dtype_name, resolve_dtype
 from graphamp.errors import ListFileError
 from graphamp.policy.list_files import (
     BLACK_MODULES_FILE, OP_LIST_FILES, PROMOTE_FILE, check_lists_folder, check_visible, default_lists_dir,
-    read_list_entries, read_list_file,
+    read_list_entries,
 )
 from graphamp.torch_private import (
     OpOverload, OpOverloadPacket, all_op_schemas, op_schema, op_schemas_named, qualified_op_name,
@@ -203,9 +203,9 @@ class AutoMixedPrecisionLists:
         dtype="float16", lists_dir=None,
     ):
         self.dtype = resolve_dtype(dtype)
-        self.lists_dir = Path(lists_dir) if lists_dir is not None else default_lists_dir()
         if lists_dir is not None:
-            check_lists_folder(self.lists_dir)
+            check_lists_folder(lists_dir)
+        self.lists_dir = Path(lists_dir) if lists_dir is not None else default_lists_dir()
         self._entries: dict[str, ListEntry] = {}
         unregistered: list[str] = []
         self._read_default_files(unregistered)
@@ -218,7 +218,8 @@ class AutoMixedPrecisionLists:
         warn_unregistered(unregistered)
         self.custom_black_modules = tuple(_as_names(custom_black_modules, "custom_black_modules", _MODULE_PATTERNS))
         self.black_modules = self._read_black_modules(self.custom_black_modules)
-        self.promote_ops = self._read_promote_ops()
+        self.promote_entries = self._read_promote_entries()
+        self.promote_ops = frozenset(entry.name for entry in self.promote_entries)
 
     # -- reading -------------------------------------------------------------------------------------------
     def _display(self, path: Path) -> str:
@@ -261,22 +262,26 @@ class AutoMixedPrecisionLists:
                 del self._entries[other]
             self._entries[name] = ListEntry(name, color, f"custom_{color}_list")
 
-    def _read_black_modules(self, custom_black_modules) -> tuple[ListEntry, ...]:
-        path = self.lists_dir / BLACK_MODULES_FILE
-        listed = read_list_file(path, self.dtype, self._display(path), globs=True) if path.exists() else []
-        custom = [(p, f"custom_black_modules: {p}") for p in custom_black_modules]
-        patterns = tuple(ListEntry(name, BLACK, where) for name, where in [*listed, *custom])
-        for pattern in patterns:
-            check_module_pattern(pattern.name, pattern.source)
-        return patterns
+    def _read_entries(self, file: str, check, globs: bool = False) -> list[tuple[str, str]]:
+        """The (entry, 'file:line') pairs of one of the folder's files that apply to the dtype ([] without the file);
+        `check(entry, where)` runs on the entries of every section, so a typo shows whatever the dtype."""
+        path = self.lists_dir / file
+        entries = read_list_entries(path, self._display(path), globs) if path.exists() else []
+        for entry, where, _ in entries:
+            check(entry, where)
+        return [(entry, where) for entry, where, section in entries if section in (None, self.dtype)]
 
-    def _read_promote_ops(self) -> frozenset[str]:
-        """The op names of the folder's promote.txt (none when it has no such file)."""
-        path = self.lists_dir / PROMOTE_FILE
-        entries = read_list_file(path, self.dtype, self._display(path)) if path.exists() else []
-        for entry, where in entries:
-            check_op_name(canonical_op_name(entry), where)
-        return frozenset(canonical_op_name(entry) for entry, _ in entries)
+    def _read_black_modules(self, custom_black_modules) -> tuple[ListEntry, ...]:
+        listed = self._read_entries(BLACK_MODULES_FILE, check_module_pattern, globs=True)
+        custom = [(p, f"custom_black_modules: {p}") for p in custom_black_modules]
+        for pattern, where in custom:
+            check_module_pattern(pattern, where)
+        return tuple(ListEntry(name, BLACK, where) for name, where in [*listed, *custom])
+
+    def _read_promote_entries(self) -> tuple[ListEntry, ...]:
+        """The entries of the folder's promote.txt (none when it has no such file), colored 'promote'."""
+        entries = self._read_entries(PROMOTE_FILE, lambda entry, where: check_op_name(canonical_op_name(entry), where))
+        return tuple(ListEntry(canonical_op_name(entry), "promote", where) for entry, where in entries)
 
     def warn_unmatched_black_modules(self, model: torch.nn.Module) -> None:
         """Warn for each black-module pattern that matches no module of `model`, naming the closest paths:
@@ -349,6 +354,10 @@ class AutoMixedPrecisionLists:
         overloads = [e for key, e in self._entries.items() if key.startswith(name + ".")]
         return overloads[0] if overloads and len({e.color for e in overloads}) == 1 else None
 
+    def overload_entries(self, name: str) -> dict[str, ListEntry]:
+        """{overload: entry} of the entries that name one overload of the packet `name` ('add.Tensor': 'Tensor')."""
+        return {key.removeprefix(name + "."): e for key, e in self._entries.items() if key.startswith(name + ".")}
+
     def promotes_packet(self, name: str) -> bool:
         """promotes(), for an op known only by its packet name."""
         return name in self.promote_ops or any(key.startswith(name + ".") for key in self.promote_ops)
@@ -385,9 +394,10 @@ class AutoMixedPrecisionLists:
             entries = self.entries(color)
             lines.append(f"{color} ({len(entries)}):")
             lines += [f"  {e.name:<40} {e.source}" for e in entries]
-        if self.black_modules:
-            lines.append(f"black modules ({len(self.black_modules)}):")
-            lines += [f"  {e.name:<40} {e.source}" for e in self.black_modules]
+        for title, entries in (("promote", self.promote_entries), ("black modules", self.black_modules)):
+            if entries:
+                lines.append(f"{title} ({len(entries)}):")
+                lines += [f"  {e.name:<40} {e.source}" for e in entries]
         return "\n".join(lines)
 
     def __repr__(self) -> str:
