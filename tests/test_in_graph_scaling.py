@@ -899,3 +899,96 @@ def test_the_eager_policys_casts_keep_their_gradients_unscaled_without_a_decorat
     assert len(said) == (2 if dtype == "float16" else 0)
     if said:
         assert "underflow" in said[0] and "Fix:" in said[0]
+
+
+class GrayBlock(nn.Module):
+    """A block of gray ops only, whose call breaks the graph first: its graph's float16 output follows its input's."""
+
+    def forward(self, x):
+        torch._dynamo.graph_break()
+        return x * 2 + 1
+
+
+class GrayGraphsBesideTheFrame(LoopOverBreakingBlocks):
+    """The frame's float16 matmuls on either side of graphs of gray ops (float16 in, float16 out)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(GrayBlock() for _ in range(2))
+
+    def forward(self, x, y):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(self.norm(x)), y)
+
+
+def test_a_graph_of_gray_ops_between_float16_ops_beside_the_graphs_scales_their_gradient_once():
+    """The gradient eager float16 ops hand a gray graph's float16 output holds the scale already: the graph does not
+    multiply it again (it did: the embedding's gradient came out inf, scale times scale, and every step skipped)."""
+    expected = fp32_gradients(GrayGraphsBesideTheFrame)
+    (scalers,), _, _ = grad_scalers_gradients(GrayGraphsBesideTheFrame)
+    (linked,), scales, _ = linked_gradients(GrayGraphsBesideTheFrame, compile=False)
+    assert linked.isfinite().all() and scales == [2.0**16]  # the step was taken
+    assert relative_error(linked, expected) < 2 * relative_error(scalers, expected)
+
+
+class GradientReversal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -grad
+
+
+class LogitsOfTheFrame(LoopOverBreakingBlocks):
+    """The frame's float16 logits returned for a loss outside: reversed in the frame (a view an autograd Function
+    made), or passed through a graph of gray ops after the blocks' breaks (a view, a multiply: float16 in and out)."""
+
+    def __init__(self, end: str):
+        super().__init__()
+        self.end = end
+
+    def forward(self, x):
+        logits = self.frame(x)
+        if self.end == "graph after":  # dynamo compiles the rest of this frame after the nested frame's breaks
+            return logits.view(logits.shape) * 1
+        return logits
+
+    def frame(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x))
+        return GradientReversal.apply(logits) if self.end == "reversed" else logits
+
+
+@pytest.mark.parametrize("end", ["reversed", "hooked", "graph after"])
+def test_float16_logits_returned_from_beside_the_graphs_keep_their_backward_and_scaling(end):
+    """A float16 result of the frame the call returns is presented as float32 over itself, not over its view base (a
+    gradient reversal's backward and a module's full backward hook were skipped: every sign flipped, the hook never
+    called), and also when a graph of gray ops returns it (it came back plain float16, its gradient unscaled)."""
+    def gradients(model: nn.Module, autocast=contextlib.nullcontext(), scale=1.0):
+        called = []
+        if end == "hooked":
+            model.head.register_full_backward_hook(lambda module, grad_input, grad_output: called.append(grad_output))
+        x, y = frame_batch()
+        with autocast:
+            logits = model(x)
+        (F.cross_entropy(logits.float(), y) * SMALL_LOSS * scale).backward()
+        assert len(called) == (end == "hooked")
+        return logits, torch.cat([p.grad.flatten() / scale for p in model.parameters()])
+
+    torch.manual_seed(0)
+    _, expected = gradients(LogitsOfTheFrame(end))
+    torch.manual_seed(0)
+    _, scalers = gradients(LogitsOfTheFrame(end), torch.autocast("cpu", dtype=torch.float16), scale=2.0**16)
+    fp16 = graphamp.AutoMixedPrecisionLists(dtype="float16")
+    torch.manual_seed(0)
+    model = graphamp.rewrite(LogitsOfTheFrame(end), amp_lists=fp16)
+    graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1), fp16, model=model)
+    logits, linked = gradients(model)
+    assert logits.dtype == torch.float32
+    assert relative_error(linked, expected) < 2 * relative_error(scalers, expected)

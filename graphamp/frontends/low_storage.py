@@ -178,13 +178,15 @@ class _PresentAsFloat32(torch.autograd.Function):
 
 
 @never_a_frame_of_its_own
-def presented_as_float32(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+def presented_as_float32(tensors: list[torch.Tensor], by_itself: bool = False) -> list[torch.Tensor]:
     """Each low tensor of `tensors` as the float32 tensor the FP32 model would have returned; those that view one
-    base (an output and its slice) come back as views of one LowStorageTensor, so they stay each other's views."""
+    base (an output and its slice) come back as views of one LowStorageTensor, so they stay each other's views.
+    `by_itself`: each presented over itself, its own autograd record kept (eager code's view may come from an
+    autograd Function: a module's full backward hook, a gradient reversal's view_as; its base would skip it)."""
     shown: dict[int, torch.Tensor] = {}
     result = []
     for tensor in tensors:
-        base = view_base(tensor)
+        base = None if by_itself else view_base(tensor)
         # A view of a graph input views its detached storage (no autograd record): shown by itself, it keeps its grad
         base = tensor if base is None or (tensor.requires_grad and not base.requires_grad) else base
         if id(base) not in shown:

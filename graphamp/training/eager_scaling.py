@@ -44,7 +44,7 @@ class ScaledCasts:
             factors = entered_low_at(tensor) if self._scaled(tensor) else None
             if factors is None:
                 return tensor
-            return scaled_outputs(factors, presented_as_float32([tensor]))[0]
+            return scaled_outputs(factors, presented_as_float32([tensor], by_itself=True))[0]
 
         return pytree.tree_map_only(torch.Tensor, present, outputs)
 

@@ -246,5 +246,11 @@ def run_scaled(run, inputs: list, factors: ScalingFactors, checks: CheckedGradie
     transparent from outside. The inputs at positions `kept` (float16 values of eager code that hold scaled
     gradients: eager_scaling.py) get theirs as the graph computed it, scaled."""
     inputs = _through(_UnscaleGradients, factors, inputs, checks, kept)
+    outputs = list(run(*inputs))
+    # A plain float16 output beside kept inputs follows their dtype (gray ops, a view): its gradient comes scaled from
+    # the eager float16 ops reading it, or from the call's presentation of it (eager_scaling.py): not scaled again.
+    followed = frozenset(
+        i for i, t in enumerate(outputs) if type(t) is torch.Tensor and t.dtype == torch.float16
+    ) if kept else frozenset()
     # Outputs computed from other outputs (HF's loss from the logits): only the gradient from outside is scaled.
-    return _through(_ScaleGradients, factors, list(run(*inputs)), None)
+    return _through(_ScaleGradients, factors, outputs, None, followed)
