@@ -263,6 +263,11 @@ def test_bad_call_raises_a_typed_error_that_names_the_fix(call, error, message, 
                  id="rewrite-options-without-compile"),
     pytest.param({"mode": "max-autotune"}, r"mode='max-autotune' is inductor's: pass compile=True with it",
                  id="rewrite-mode-without-compile"),
+    pytest.param({"compile": "yes"}, r"rewrite\(\) got compile='yes': pass True or False", id="rewrite-compile-not-bool"),
+    pytest.param({"dynamic": "yes"}, r"rewrite\(\) got dynamic='yes': pass None, True or False",
+                 id="rewrite-dynamic-not-bool"),
+    pytest.param({"fullgraph": None}, r"rewrite\(\) got fullgraph=None: pass True or False",
+                 id="rewrite-fullgraph-not-bool"),
 ])
 def test_rewrite_refuses_inductor_settings_it_would_not_use_and_leaves_the_model_unconverted(settings, message):
     model = Head()

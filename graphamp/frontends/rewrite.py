@@ -124,6 +124,10 @@ def rewrite(
             f"this {type(model).__name__} was already rewritten by graphamp.rewrite(): it runs mixed precision as it "
             f"is; rewrite a fresh FP32 model to change its lists."
         )
+    for name, value, allowed in (("compile", compile, "True or False"), ("fullgraph", fullgraph, "True or False"),
+                                 ("dynamic", dynamic, "None, True or False")):
+        if not (isinstance(value, bool) or (value is None and name == "dynamic")):
+            raise ArgumentError(f"rewrite() got {name}={value!r}: pass {allowed}.")
     if mode is not None and not compile:
         raise ArgumentError(f"mode={mode!r} is inductor's: pass compile=True with it.")
     if options and not compile:
