@@ -39,6 +39,33 @@ def test_an_example_that_does_not_fit_the_model_names_the_examples(bf16):
     assert "make that construct traceable" not in str(raised.value)
 
 
+class RefusingTwoRows(nn.Module):
+    """A model whose own FP32 code raises on a batch of two rows, after updating BatchNorm's running statistics."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.linear = nn.BatchNorm1d(8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        x = self.norm(x)
+        if x.shape[0] == 2:
+            raise ValueError("this model takes batches of three rows")
+        return self.linear(x)
+
+
+@pytest.mark.parametrize("entry_point", [graphamp.export_program, graphamp.doctor])
+def test_export_program_and_doctor_name_examples_the_models_own_code_refuses(entry_point, bf16):
+    """As rewrite() does: the examples are at fault, not a construct torch.export cannot capture; the check's own
+    call leaves BatchNorm's statistics as they were."""
+    model = RefusingTwoRows()
+    statistics = {name: buffer.clone() for name, buffer in model.named_buffers()}
+    with pytest.raises(graphamp.ArgumentError, match="example inputs do not fit RefusingTwoRows: its own FP32 code "
+                                                     "raises on them .ValueError: this model takes batches") as raised:
+        entry_point(model, (torch.randn(2, 8),), amp_lists=bf16)
+    assert "make that construct traceable" not in str(raised.value)
+    assert all(torch.equal(buffer, statistics[name]) for name, buffer in model.named_buffers())
+
+
 def test_a_failed_rewrite_leaves_the_model_as_it_was_and_a_retry_works(bf16):
     model = nn.Sequential(nn.Linear(8, 4))
     before = dict(model.__dict__)

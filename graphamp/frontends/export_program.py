@@ -17,7 +17,7 @@ from torch import nn
 from torch.export import ExportedProgram
 from torch.export.graph_signature import TensorArgument
 
-from graphamp.errors import CaptureError
+from graphamp.errors import ArgumentError, CaptureError
 from graphamp.frontends.compile_backend import refuse_outer_autocast
 from graphamp.frontends.dynamic_dims import automatic_dynamic_dims, sizes_from_one
 from graphamp.frontends.device_moves import DeviceMovesAsRun
@@ -27,10 +27,12 @@ from graphamp.passes.number_range import CONSTANT_INPUT
 from graphamp.passes.marks import mark_of
 from graphamp.policy.config import check_entry_arguments
 from graphamp.torch_private import (
-    HigherOrderOperator, OpOverload, global_module_hooks_removed_on_failure, pytree,
+    HigherOrderOperator, OpOverload, call_module_with_hooks, global_module_hooks_removed_on_failure, pytree,
 )
 
-__all__ = ["capture_program", "explain_capture_failure", "export_program", "rewrite_program"]
+__all__ = [
+    "capture_program", "explain_capture_failure", "export_program", "refuse_examples_that_do_not_fit", "rewrite_program",
+]
 
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
 _GRAPHAMP_DIR = str(Path(__file__).resolve().parent.parent)
@@ -129,6 +131,7 @@ def capture_program(
     except CaptureError:
         raise
     except Exception as error:
+        refuse_examples_that_do_not_fit("the", model, args, kwargs)
         raise CaptureError(explain_capture_failure(model, error)) from error
     if dynamic:
         sizes_from_one(program.graph_module)
@@ -143,6 +146,27 @@ def _ordinary_tensors(tree):
                 return t.clone()
         return t
     return pytree.tree_map_only(torch.Tensor, plain, tree)
+
+
+def refuse_examples_that_do_not_fit(whose: str, model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """After a capture or compiled call failed: if the model's own FP32 code fails on the examples too, the examples
+    are at fault, not a construct torch.export, dynamo or graphamp cannot capture. The model's buffers (BatchNorm's
+    running statistics) are put back after the try."""
+    buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            call_module_with_hooks(model, *args, **kwargs)
+    except Exception as eager_error:
+        raise ArgumentError(
+            f"{whose} example inputs do not fit {type(model).__name__}: its own FP32 code raises on them "
+            f"({type(eager_error).__name__}: {str(eager_error).splitlines()[0] if str(eager_error) else ''}). "
+            f"Fix: pass example_args/example_kwargs as one training call would (the model's forward signature)."
+        ) from eager_error
+    finally:
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                if buffer.shape == saved.shape:
+                    buffer.copy_(saved)
 
 
 def explain_capture_failure(model: nn.Module, error: Exception) -> str:

@@ -31,6 +31,7 @@ from graphamp.frontends.compile_backend import (
     refuse_unknown_inductor_options,
 )
 from graphamp.frontends.eager_policy import EagerPolicy, ModelFacts, rules_for
+from graphamp.frontends.export_program import refuse_examples_that_do_not_fit
 from graphamp.policy.config import CAST_AFTER, AmpConfig, check_entry_arguments, check_master_weights
 from graphamp.torch_private import (
     BackendCompilerFailed, call_module_with_hooks, composable_apis_on, dispatch_mode_makes_dynamo_run_eagerly,
@@ -536,8 +537,8 @@ def _compile_ahead(model: nn.Module, args: tuple, kwargs: dict) -> None:
     try:
         with torch.random.fork_rng(devices=[]):
             model(*args, **kwargs)
-    except Exception as error:
-        _refuse_examples_that_do_not_fit(model, args, kwargs, error)
+    except Exception:
+        refuse_examples_that_do_not_fit("rewrite()'s", model, args, kwargs)
         raise
     finally:
         _end_fsdp2_iteration(model)
@@ -575,20 +576,6 @@ def _end_fsdp2_iteration(model: nn.Module) -> None:
             for module in root.modules():
                 if isinstance(module, FSDPModule):
                     module.reshard()
-
-
-def _refuse_examples_that_do_not_fit(model: nn.Module, args: tuple, kwargs: dict, error: Exception) -> None:
-    """After the compiled call failed: if the model's own FP32 code fails on the examples too, the examples are at
-    fault, not a construct dynamo or graphamp cannot capture."""
-    try:
-        with torch.random.fork_rng(devices=[]), torch.no_grad():
-            call_module_with_hooks(model, *args, **kwargs)
-    except Exception as eager_error:
-        raise ArgumentError(
-            f"rewrite()'s example inputs do not fit {type(model).__name__}: its own FP32 code raises on them "
-            f"({type(eager_error).__name__}: {str(eager_error).splitlines()[0] if str(eager_error) else ''}). "
-            f"Fix: pass example_args/example_kwargs as one training call would (the model's forward signature)."
-        ) from eager_error
 
 
 def _undo_conversion(model: nn.Module, before: dict, checkpointed: list[tuple[nn.Module, object]]) -> None:
