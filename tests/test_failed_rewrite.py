@@ -55,11 +55,11 @@ class RefusingTwoRows(nn.Module):
 
 @pytest.mark.parametrize("entry_point", [graphamp.export_program, graphamp.doctor])
 def test_export_program_and_doctor_name_examples_the_models_own_code_refuses(entry_point, bf16):
-    """As rewrite() does: the examples are at fault, not a construct torch.export cannot capture; the check's own
-    call leaves BatchNorm's statistics as they were."""
+    """As rewrite() says (its error an ArgumentError, theirs the CaptureError of every failed capture): the model's own
+    code refuses the examples, not torch.export a construct; the check's own call leaves BatchNorm's statistics."""
     model = RefusingTwoRows()
     statistics = {name: buffer.clone() for name, buffer in model.named_buffers()}
-    with pytest.raises(graphamp.ArgumentError, match="example inputs do not fit RefusingTwoRows: its own FP32 code "
+    with pytest.raises(graphamp.CaptureError, match="example inputs do not fit RefusingTwoRows: its own FP32 code "
                                                      "raises on them .ValueError: this model takes batches") as raised:
         entry_point(model, (torch.randn(2, 8),), amp_lists=bf16)
     assert "make that construct traceable" not in str(raised.value)

@@ -131,7 +131,7 @@ def capture_program(
     except CaptureError:
         raise
     except Exception as error:
-        refuse_examples_that_do_not_fit("the", model, args, kwargs)
+        refuse_examples_that_do_not_fit("the", model, args, kwargs, CaptureError)  # as other capture failures
         raise CaptureError(explain_capture_failure(model, error)) from error
     if dynamic:
         sizes_from_one(program.graph_module)
@@ -148,19 +148,21 @@ def _ordinary_tensors(tree):
     return pytree.tree_map_only(torch.Tensor, plain, tree)
 
 
-def refuse_examples_that_do_not_fit(whose: str, model: nn.Module, args: tuple, kwargs: dict) -> None:
-    """After a capture or compiled call failed: if the model's own FP32 code fails on the examples too, the examples
-    are at fault, not a construct torch.export, dynamo or graphamp cannot capture. The model's buffers (BatchNorm's
-    running statistics) are put back after the try."""
+def refuse_examples_that_do_not_fit(whose: str, model: nn.Module, args: tuple, kwargs: dict,
+                                    error_type: type = ArgumentError) -> None:
+    """After a capture or compiled call failed: if the model's own FP32 code fails on the examples too, say so, not
+    that torch.export, dynamo or graphamp cannot capture a construct. The model's buffers (BatchNorm's running
+    statistics) are put back after the try."""
     buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
     try:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
             call_module_with_hooks(model, *args, **kwargs)
     except Exception as eager_error:
-        raise ArgumentError(
+        raise error_type(
             f"{whose} example inputs do not fit {type(model).__name__}: its own FP32 code raises on them "
             f"({type(eager_error).__name__}: {str(eager_error).splitlines()[0] if str(eager_error) else ''}). "
-            f"Fix: pass example_args/example_kwargs as one training call would (the model's forward signature)."
+            f"Fix: pass example_args/example_kwargs as one training call would (the model's forward signature), "
+            f"or make the model's FP32 code run on them."
         ) from eager_error
     finally:
         with torch.no_grad():
