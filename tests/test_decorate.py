@@ -391,6 +391,24 @@ def test_repr_shows_the_wrapped_optimizer_and_the_loss_scaling():
     assert "AdamW" in text and "loss_scaling=1024.0" in text and "dynamic" in text
 
 
+def scheduled_steps(make_optimizer, make_scheduler, decorated: bool, steps: int):
+    """Yields (optimizer, scheduler) after each of `steps` steps of small_model(), its optimizer decorated or not,
+    each step followed by the scheduler's."""
+    model = small_model()
+    opt = make_optimizer(model.parameters())
+    driven = graphamp.decorate(opt) if decorated else opt
+    scheduler = make_scheduler(driven)
+    for step in range(steps):
+        opt.zero_grad()
+        if decorated:
+            driven.minimize(loss_at(model, step))
+        else:
+            loss_at(model, step).backward()
+            opt.step()
+        scheduler.step()
+        yield opt, scheduler
+
+
 @pytest.mark.parametrize(
     "make_scheduler",
     [
@@ -401,22 +419,11 @@ def test_repr_shows_the_wrapped_optimizer_and_the_loss_scaling():
     ids=["StepLR", "LambdaLR", "OneCycleLR"],
 )
 def test_lr_scheduler_drives_the_wrapped_optimizer(make_scheduler):
-    lrs = {}
-    for decorated in (False, True):
-        model = small_model()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        driven = graphamp.decorate(opt) if decorated else opt
-        scheduler = make_scheduler(driven)
-        lrs[decorated] = []
-        for step in range(6):
-            opt.zero_grad()
-            if decorated:
-                driven.minimize(loss_at(model, step))
-            else:
-                loss_at(model, step).backward()
-                opt.step()
-            scheduler.step()
-            lrs[decorated].append(opt.param_groups[0]["lr"])
+    def sgd(params):
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+    lrs = {decorated: [opt.param_groups[0]["lr"] for opt, _ in scheduled_steps(sgd, make_scheduler, decorated, 6)]
+           for decorated in (False, True)}
     assert lrs[True] == lrs[False]
     assert len(set(lrs[True])) > 1
 
@@ -430,6 +437,22 @@ def test_lr_scheduler_does_not_warn_when_the_first_step_is_skipped():
         opt.minimize(loss_at(model, 0, poison=INF))
         scheduler.step()
     assert opt.skipped_steps == 1
+
+
+def test_hf_adafactor_schedule_reads_the_learning_rate_through_the_wrapper():
+    """transformers' recipe for Adafactor(relative_step=True): AdafactorSchedule(optimizer) calls the optimizer's own
+    _get_lr. A private method of the wrapped optimizer's class goes through; torch's AMP flags stay unclaimed."""
+    optimization = pytest.importorskip("transformers.optimization")
+
+    def adafactor(params):
+        return optimization.Adafactor(params, lr=None, relative_step=True, warmup_init=True)
+
+    lrs = {decorated: [[float(lr) for lr in scheduler.get_last_lr()]
+                       for _, scheduler in scheduled_steps(adafactor, optimization.AdafactorSchedule, decorated, 3)]
+           for decorated in (False, True)}
+    assert lrs[True] == lrs[False]
+    fused = graphamp.decorate(torch.optim.AdamW(small_model().parameters(), fused=True))
+    assert not hasattr(fused, "_step_supports_amp_scaling")  # GradScaler would hand the wrapper its scale
 
 
 def test_state_dict_carries_the_loss_scaler_and_loads_into_a_plain_optimizer():

@@ -246,10 +246,12 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for names the wrapper lacks. Private names stay the wrapper's own, so torch's flags such as
-        # _step_supports_amp_scaling are never claimed for the wrapper.
-        if name.startswith("_"):
+        # _step_supports_amp_scaling are never claimed for the wrapper; but a method the wrapped optimizer's class adds
+        # goes through (transformers' AdafactorSchedule calls Adafactor._get_lr).
+        optimizer = self.__dict__.get("_optimizer")
+        if name.startswith("_") and not _method_of_its_own(optimizer, name):
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return getattr(self._optimizer, name)
+        return getattr(optimizer, name)
 
     def __getstate__(self) -> dict[str, Any]:
         # An LR scheduler patches `step` onto the instance; like torch optimizers, leave that out of copies.
@@ -583,6 +585,13 @@ for _name in (
     "register_state_dict_post_hook", "register_load_state_dict_pre_hook", "register_load_state_dict_post_hook",
 ):
     setattr(OptimizerWithMixedPrecision, _name, _delegated(_name))
+
+
+def _method_of_its_own(optimizer: torch.optim.Optimizer | None, name: str) -> bool:
+    """Whether `name` is a method `optimizer`'s class adds to torch.optim.Optimizer's (not a dunder, not a flag)."""
+    if optimizer is None or name.startswith("__") or hasattr(torch.optim.Optimizer, name):
+        return False
+    return callable(inspect.getattr_static(type(optimizer), name, None))
 
 
 class _Overflow(Exception):
