@@ -455,6 +455,27 @@ def test_hf_adafactor_schedule_reads_the_learning_rate_through_the_wrapper():
     assert not hasattr(fused, "_step_supports_amp_scaling")  # GradScaler would hand the wrapper its scale
 
 
+def test_a_compiled_optimizer_step_skips_and_updates_the_scale_as_the_eager_step():
+    """torch's recipe for compiling the optimizer, torch.compile around opt.step(): dynamo took the wrapper for one of
+    torch's own optimizers and lost its bookkeeping (the scale never backed off, no step counted as skipped)."""
+    logs, states = {}, {}
+    for compiled in (False, True):
+        model = small_model()
+        opt = graphamp.decorate(torch.optim.Adam(model.parameters(), lr=0.1), init_loss_scaling=2.0**10,
+                                incr_every_n_steps=2)
+        step = torch.compile(lambda: opt.step(), backend="eager") if compiled else opt.step
+        logs[compiled] = []
+        for i, poison in enumerate([None, INF, None, None, None]):
+            opt.zero_grad()
+            opt.backward(loss_at(model, i, poison))
+            step()
+            logs[compiled].append((opt.step_was_skipped, opt.get_loss_scaling()))
+        states[compiled] = snapshot(model, opt)
+    assert logs[False] == [(False, 1024.0), (True, 512.0), (False, 512.0), (False, 1024.0), (False, 1024.0)]
+    assert logs[True] == logs[False]
+    assert_bit_identical(states[True], states[False])
+
+
 def test_state_dict_carries_the_loss_scaler_and_loads_into_a_plain_optimizer():
     model = small_model()
     opt = graphamp.decorate(torch.optim.AdamW(model.parameters()), init_loss_scaling=256.0)

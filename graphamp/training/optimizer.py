@@ -262,6 +262,10 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
         self._scaled_versions = {}
         link_copied_optimizer(self)  # a copy taken with its model trains that copy with in-graph scaling
 
+    # The methods that keep the wrapper's state run as Python even under torch.compile (torch's recipe compiles
+    # `opt.step()`): dynamo takes every torch.optim.Optimizer, the wrapper too, for one of torch's own and lost that
+    # bookkeeping (found_inf read back, the scale's update), so the scale never backed off.
+    @torch.compiler.disable
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._optimizer.zero_grad(set_to_none=set_to_none)
         if self._stage is _Stage.UNSCALED:
@@ -288,6 +292,7 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
 
     # -- loss scaling -----------------------------------------------------------------------------------------------
 
+    @torch.compiler.disable
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``(loss * loss_scaling).backward(**kwargs)``. May run several times before ``step()``."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -311,6 +316,7 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
             for group in self._optimizer.param_groups for p in group["params"] if p.grad is not None
         }
 
+    @torch.compiler.disable
     def unscale_(self) -> None:
         """Divide this optimizer's gradients by the loss scaling in place, e.g. to clip them; once per step."""
         if self._stage is _Stage.UNSCALED:
@@ -336,6 +342,7 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
         self._check_scaled_gradients_unchanged(grads, what)
         return check_scaled(grads) if self._iteration.loss_scaled else self._check_true_gradients(grads)
 
+    @torch.compiler.disable
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Unscale (unless ``unscale_()`` ran), skip the update if any gradient is inf/NaN, then update the scale.
 
