@@ -11,7 +11,8 @@ from torch import nn
 import graphamp
 from graphamp import LossScalingError
 from models import regression_batch as batch
-from training import rewritten_regression as rewritten
+from training import relative_error, rewritten_regression as rewritten
+from training import rewritten_regression_and_eager as rewritten_and_eager
 
 
 class TinyLoss(nn.Module):
@@ -159,3 +160,27 @@ def test_optimizers_of_one_model_decorated_in_one_call_step_after_a_plain_backwa
     second.step()
     assert not (first.found_inf or second.found_inf)
     assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+@pytest.mark.parametrize("between", ["nothing", "zero_grad(set_to_none=False)"])
+def test_a_second_step_with_no_backward_says_so_and_names_the_wrapped_optimizers_step(fp16, between):
+    """FP32 takes the same gradients again; float16 loss scaling has no scaled backward to check them by. The refusal
+    said the loss came from no linked model, naming fixes done already (rewrite, link, opt.backward)."""
+    model, eager = rewritten_and_eager(fp16)
+    opt = graphamp.decorate(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), fp16, model=model)
+    eager_opt = torch.optim.SGD(eager.parameters(), lr=0.1, momentum=0.9)
+    for net, optimizer in ((model, opt), (eager, eager_opt)):
+        net(*batch(1)).backward()
+        optimizer.step()
+        if between != "nothing":
+            optimizer.zero_grad(set_to_none=False)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(LossScalingError) as error:
+        opt.step()
+    message = str(error.value)
+    assert "no backward through the linked Regression since the last step()" in message
+    assert "rewrite() the model before decorate()" not in message  # done already: not a fix to suggest
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    opt.optimizer.step()  # the fix it names: the same (true) gradients again, as FP32's second step
+    eager_opt.step()
+    assert all(relative_error(p, q) < 1e-2 for p, q in zip(model.parameters(), eager.parameters()))

@@ -447,13 +447,22 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
 
     def _check_scaled(self, what: str) -> None:
         if not (self._iteration.loss_scaled or self._iteration.scaled_in_graph or self.loss_scaler.is_fixed_at_one()):
-            taken = self._models_linked_to_another_loss_scaler()
+            linked = self._linked_models()
+            taken = [name for name, owner in linked if owner is not None and owner not in self._iteration.members]
             if taken:
                 raise LossScalingError(
                     f"{what}() without a scaled backward since the last step: this optimizer's {taken[0]} scales its "
                     "gradients by the loss scaling of an optimizer decorated after this one, in a decorate() call of "
                     "its own. Fix: decorate the optimizers of one model in one call, so that they share one loss "
                     "scaler: graphamp.decorate([opt_a, opt_b], amp_lists)."
+                )
+            own = [name for name, owner in linked if owner in self._iteration.members]
+            if own:  # linked, yet none of its graphs ran with autograd on: no backward since the last step()
+                raise LossScalingError(
+                    f"{what}() with no backward through the linked {own[0]} since the last step(): .grad holds the "
+                    "gradients the last step() took (or what zero_grad() left), with no scaled backward to check "
+                    "them by. Fix: run the forward and backward before each step(); to step again on the same "
+                    "gradients, as FP32 would, step the wrapped optimizer: opt.optimizer.step()."
                 )
             raise LossScalingError(
                 f"{what}() without a scaled backward since the last step, and the loss scaling is "
@@ -481,11 +490,10 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
                 "stepped."
             )
 
-    def _models_linked_to_another_loss_scaler(self) -> list[str]:
-        """The rewritten models holding this optimizer's parameters whose link a later decorate() call took."""
+    def _linked_models(self) -> list[tuple[str, Any]]:
+        """(class name, linked optimizer) of each rewritten model holding this optimizer's parameters."""
         models = rewritten_models(p for group in self.param_groups for p in group["params"])
-        linked = [(type(s.model).__name__, s.backend.linked_optimizer) for m in models for s in amp_states(m)]
-        return [name for name, owner in linked if owner is not None and owner not in self._iteration.members]
+        return [(type(s.model).__name__, s.backend.linked_optimizer) for m in models for s in amp_states(m)]
 
     def _grads(self) -> list[torch.Tensor]:
         grads = []
