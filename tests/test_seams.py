@@ -22,7 +22,7 @@ from conftest import CompiledCodeRecorder
 from graphamp.frontends.rewrite import TORCH_ISOLATES_RECOMPILES
 from graphamp.inspection.recording import DtypeRecorder, floating, recording_inside
 from graphamp.passes.marks import mark_of
-from encoder_models import ENCODERS
+from encoder_models import ENCODERS, shallow_mobilevit
 from models import VOCAB, Broken, bert, deberta_v2, gpt2, llama, token_batch
 
 pytestmark = pytest.mark.filterwarnings("ignore:this CPU has no native bfloat16")
@@ -67,10 +67,11 @@ def _decoder(build):
     return build(), {"input_ids": ids, "labels": ids}
 
 
-# One layer where it saves time (GPT-2's, Llama's, Mamba's scan, DeBERTa's, BERT's and Bloom's layers): a model's seams
-# are the same in every layer.
+# One layer where it saves time (GPT-2's, Llama's, Mamba's scan, DeBERTa's, BERT's and Bloom's layers; MobileViT's
+# first block of each stage): a model's seams are the same in every layer.
 OUTSIDE_MODELS = {
     **ENCODERS,
+    "mobilevit": shallow_mobilevit,
     "gpt2": lambda: _decoder(lambda: gpt2(n_layer=1)),
     "llama": lambda: _decoder(lambda: llama(num_hidden_layers=1)),
     "bert": lambda: (bert(num_hidden_layers=1), {"input_ids": token_batch(), "labels": torch.tensor([0, 2])}),
