@@ -324,6 +324,46 @@ def test_a_typo_of_a_registered_custom_op_gets_a_suggestion():
         bf16_lists(custom_white_list=["graphamp_bad_input::fused_gleu"])
 
 
+@torch.library.custom_op("graphamp_no_fake::doubled", mutates_args=())
+def doubled_without_fake(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+class CallsAnOpWithoutFake(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return doubled_without_fake(self.linear(x))
+
+
+NO_FAKE = (r"cannot capture CallsAnOpWithoutFake at .*: the custom op 'graphamp_no_fake::doubled' has no fake "
+           r"implementation.*Fix: register one with torch\.library\.register_fake\('graphamp_no_fake::doubled'\)")
+
+
+@pytest.mark.parametrize("entry_point", [graphamp.rewrite, graphamp.export_program, graphamp.doctor])
+def test_a_custom_op_without_fake_implementation_is_named_with_the_fix_and_the_model_left_as_it_was(entry_point):
+    """torch.compile and torch.export need its output's shape and dtype: dynamo's raw error (or a CaptureError
+    whose fix says 'make that construct traceable') becomes graphamp's, naming the op and register_fake."""
+    model = CallsAnOpWithoutFake()
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+
+    with pytest.raises(graphamp.CaptureError, match=NO_FAKE):
+        entry_point(model, (x(),), amp_lists=bf16_lists())
+
+    assert not graphamp.is_rewritten(model) and model._compiled_call_impl is None
+    assert all(torch.equal(tensor, state[name]) for name, tensor in model.state_dict().items())
+    assert model(x()).dtype == torch.float32
+
+
+def test_a_custom_op_without_fake_implementation_is_named_at_the_first_call_of_a_model_rewritten_without_examples():
+    model = graphamp.rewrite(CallsAnOpWithoutFake(), amp_lists=bf16_lists())
+
+    with pytest.raises(graphamp.CaptureError, match=NO_FAKE):
+        model(x())
+
+
 def test_many_unregistered_custom_ops_give_one_warning(tmp_path):
     entries = "".join(f"unloaded_lib::op{i}\n" for i in range(100_000))
     folder = write_list_folder(tmp_path, white=entries)
