@@ -499,6 +499,23 @@ def test_compile_mode_warns_that_it_is_now_mode_and_still_sets_it():
 # -- export --------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("make", [program, rewritten_model], ids=["program", "rewritten-model"])
+def test_a_failed_export_leaves_no_folder_it_made_and_a_folder_that_was_there_as_it_was(tmp_path, make, monkeypatch):
+    (tmp_path / "there").mkdir()
+    (tmp_path / "there" / "notes.md").write_text("mine")
+    what = make()
+
+    def fails(*args):
+        raise ExportError("dot failed")  # as graph.svg's Graphviz can, after the folders were made
+
+    monkeypatch.setattr("graphamp.inspection.export_files.render_svg", fails)
+    for out in (tmp_path / "new" / "out", tmp_path / "there"):
+        with pytest.raises(ExportError, match="dot failed"):
+            graphamp.export(what, out)
+
+    assert _files_in(tmp_path) == ["there", "there/notes.md"]
+
+
+@pytest.mark.parametrize("make", [program, rewritten_model], ids=["program", "rewritten-model"])
 def test_export_overwrites_an_earlier_export_when_told(tmp_path, make):
     what = make()
     graphamp.export(what, tmp_path)
@@ -595,6 +612,10 @@ BAD_COMMANDS = [
     pytest.param(["export", "fine:make", "--out", "done"], 1,
                  r"^error: done/graph\.py: already exists; pass overwrite=True \(graphamp export --force\)",
                  id="export-over-an-earlier-export"),
+    pytest.param(["export", "fine:make", "--out", "new/out", "--lists", "empty"], 1,
+                 r"^error: empty: holds none of white\.txt", id="export-lists-fail-after-the-out-folder-is-checked"),
+    pytest.param(["doctor", "raises:make", "--out", "report", "--apply", "new/applied"], 1,
+                 r"^error: raises:make: make\(\) raised RuntimeError", id="doctor-factory-raises"),
     pytest.param(["doctor", "fine:make", "--loss-scaling", "nan"], 2,
                  r"argument --loss-scaling: 'nan' is not a positive finite number", id="doctor-nan-scaling"),
     pytest.param(["doctor", "fine:make", "--top", "-3"], 2,
@@ -622,14 +643,20 @@ def test_bad_command_gets_one_error_line_and_no_traceback(argv, status, message,
     (tmp_path / "empty").mkdir()
     (tmp_path / "latin1").mkdir()
     (tmp_path / "latin1" / "white.txt").write_bytes("mm\n# café\n".encode("latin-1"))
+    before = _files_in(tmp_path)
 
     result = run_cli(argv)
 
     assert result.returncode == status
     assert "Traceback" not in result.stderr
     assert re.search(message, result.stderr, flags=re.MULTILINE | re.DOTALL), result.stderr
-    assert not (tmp_path / "report").exists()  # the doctor stopped before its diagnosis
+    assert _files_in(tmp_path) == before  # no --out or --apply folder it made is left, empty or partial
     assert (tmp_path / "done" / "graph.py").read_text() == "an earlier export"
+
+
+def _files_in(folder: Path) -> list[str]:
+    """Every file and folder under `folder` but Python's bytecode caches of the imported factories."""
+    return sorted(str(path.relative_to(folder)) for path in folder.rglob("*") if "__pycache__" not in path.parts)
 
 
 def test_debug_prints_the_traceback_of_the_users_error(tmp_path, run_cli):
