@@ -179,6 +179,13 @@ BAD_CALLS = [
                  r"black_modules\.txt", id="lists_dir-without-list-files"),
     pytest.param(lists_folder(**{"White.txt": "mm\n"}), ListFileError,
                  r"White\.txt: graphamp does not read this file; did you mean white\.txt\?", id="lists_dir-White.txt"),
+    pytest.param(lists_folder(**{"black.txt": "softmax\n", "white.TXT": "mm\n"}), ListFileError,
+                 r"white\.TXT: graphamp does not read this file; did you mean white\.txt\?", id="lists_dir-white.TXT"),
+    pytest.param(lists_folder(**{"black.txt": "softmax\n", "white.list": "mm\n"}), ListFileError,
+                 r"white\.list: graphamp does not read this file; did you mean white\.txt\?", id="lists_dir-white.list"),
+    pytest.param(lists_folder(**{"white.txt": "mm\n", "Black_Modules.TXT": "head\n"}), ListFileError,
+                 r"Black_Modules\.TXT: graphamp does not read this file; did you mean black_modules\.txt\?",
+                 id="lists_dir-Black_Modules.TXT"),
     pytest.param(lambda tmp: AutoMixedPrecisionLists(lists_dir=5), ListFileError,
                  r"lists_dir=5: pass the path of a lists folder", id="lists_dir-a-number"),
     pytest.param(lambda tmp: AutoMixedPrecisionLists(lists_dir=tmp / "missing"), ListFileError,
@@ -289,6 +296,13 @@ def test_model_compile_refuses_an_unknown_inductor_option_and_keeps_its_settings
 
 
 # -- lists ---------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["README.md", "notes.txt", "white.txt~", "white.txt.bak", ".white.txt.swp"])
+def test_a_lists_folder_may_hold_files_that_are_no_misnamed_list(name, tmp_path):
+    folder = write_list_folder(tmp_path, white="mm\n", **{name: "not a list\n"})
+
+    assert AutoMixedPrecisionLists(dtype="bfloat16", lists_dir=folder).white_list == {"mm"}
+
 
 def test_a_byte_order_mark_is_skipped(tmp_path):
     folder = write_list_folder(tmp_path, white="\ufeffmm\n")
