@@ -464,18 +464,28 @@ def test_export_program_says_black_module_patterns_cannot_reach_a_cond_bodys_ops
         graphamp.export_program(BranchingHead(), (x(),), amp_lists=bf16_lists(custom_black_modules=["head"]))
 
 
-def test_an_unmatched_black_module_pattern_warns_on_auto_cast_once_per_lists():
-    """auto_cast(model=) is entered every step: it warns on the first entry with these lists, not on each."""
+def test_an_unmatched_black_module_pattern_warns_at_every_auto_cast_of_a_model_it_matches_nothing_in():
+    """Not once per lists: lists rewrite() used already, a second model, a second entry each say so (Python's own
+    filters show a warning once per line of code, which a training loop entering auto_cast each step relies on)."""
     lists = bf16_lists(custom_black_modules=["lm_head"])
-    model = Head()
-    with pytest.warns(UserWarning, match=r"black-module pattern 'lm_head' matches no module of Head.*closest module "
-                                          r"paths: head"):
-        with graphamp.auto_cast(lists, model=model):
-            model(x())
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*black-module pattern")
-        with graphamp.auto_cast(lists, model=model):
-            model(x())
+    graphamp.rewrite(Head(), (x(),), amp_lists=lists)
+    unmatched = r"black-module pattern 'lm_head' matches no module of Head.*closest module paths: head"
+
+    for model in (Head(), Head(), Head()):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with graphamp.auto_cast(lists, model=model):
+                model(x())
+        assert [str(w.message) for w in caught if re.search(unmatched, str(w.message))] != []
+        assert [w.filename for w in caught] == [__file__]  # the user's line, not graphamp's
+
+
+def test_an_unmatched_black_module_pattern_of_a_backend_names_the_callers_line():
+    with pytest.warns(UserWarning, match=r"black-module pattern 'lm_head' matches no module of Head") as caught:
+        graphamp.backend(bf16_lists(custom_black_modules=["lm_head"]), model=Head())
+
+    assert [w.filename for w in caught] == [__file__]
+
 
 # -- rewrite()'s arguments of the export-based release --------------------------------------------------------
 

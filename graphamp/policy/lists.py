@@ -283,9 +283,11 @@ class AutoMixedPrecisionLists:
         entries = self._read_entries(PROMOTE_FILE, lambda entry, where: check_op_name(canonical_op_name(entry), where))
         return tuple(ListEntry(canonical_op_name(entry), "promote", where) for entry, where in entries)
 
-    def warn_unmatched_black_modules(self, model: torch.nn.Module) -> None:
+    def warn_unmatched_black_modules(self, model: torch.nn.Module, stacklevel: int = 4) -> None:
         """Warn for each black-module pattern that matches no module of `model`, naming the closest paths:
-        the user believes those ops run in FP32 while they run low."""
+        the user believes those ops run in FP32 while they run low. `stacklevel` points at the user's call."""
+        if not self.black_modules:
+            return
         # remove_duplicate=False: a module shared under two names answers to both
         paths = [name for name, _ in model.named_modules(remove_duplicate=False) if name]
         for pattern, close in self.unmatched_black_modules(paths):
@@ -293,7 +295,7 @@ class AutoMixedPrecisionLists:
             warnings.warn(
                 f"{pattern.source}: black-module pattern '{pattern.name}' matches no module of "
                 f"{type(model).__name__}, so it keeps nothing in FP32; {hint}.",
-                stacklevel=4,
+                stacklevel=stacklevel,
             )
 
     def unmatched_black_modules(self, paths: list[str]) -> list[tuple[ListEntry, list[str]]]:
