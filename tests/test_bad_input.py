@@ -457,11 +457,16 @@ class BranchingHead(Head):
         return torch.cond(hidden.sum() > 0, lambda h: self.head(h), lambda h: h[..., :2] * 2, (hidden,))
 
 
-def test_export_program_says_black_module_patterns_cannot_reach_a_cond_bodys_ops():
-    """Kept FP32 by rewrite(), which knows the body's module paths; export_program() cannot tell, and says so."""
-    with pytest.warns(UserWarning, match=r"records no module path inside cond bodies, so the black-module patterns "
-                                          r"cannot keep their ops FP32.*rewrite\(\) knows those paths"):
-        graphamp.export_program(BranchingHead(), (x(),), amp_lists=bf16_lists(custom_black_modules=["head"]))
+@pytest.mark.parametrize("entry_point", ["export_program", "doctor", "auto_mixed_precision"])
+def test_entry_points_reading_the_exported_program_say_black_module_patterns_cannot_reach_a_cond_bodys_ops(entry_point):
+    """Kept FP32 by rewrite(), which knows the body's module paths; the exported program (export_program's, and the
+    one the doctor and auto_mixed_precision measure) cannot tell, and each says so, at the user's line."""
+    with pytest.warns(UserWarning, match=rf"^{entry_point}\(\): torch\.export records no module path inside cond "
+                                          r"bodies, so the black-module patterns cannot keep their ops FP32.*"
+                                          r"rewrite\(\) knows those paths") as caught:
+        getattr(graphamp, entry_point)(BranchingHead(), (x(),), amp_lists=bf16_lists(custom_black_modules=["head"]))
+
+    assert {w.filename for w in caught if "records no module path" in str(w.message)} == {__file__}
 
 
 def test_an_unmatched_black_module_pattern_warns_at_every_auto_cast_of_a_model_it_matches_nothing_in():

@@ -33,7 +33,7 @@ from graphamp.torch_private import (
 
 __all__ = [
     "capture_program", "explain_capture_failure", "export_program", "op_without_fake_impl", "refuse_examples_that_do_not_fit",
-    "rewrite_program",
+    "rewrite_program", "warn_of_bodies_without_module_paths",
 ]
 
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
@@ -63,14 +63,16 @@ def export_program(
         pytree.tree_leaves((args, kwargs)), f"graphamp.export_program() of {type(model).__name__} was called"
     )
     program = capture_program(model, args, kwargs, dynamic, config.lists.promote_ops)
-    if config.lists.black_modules:
-        _warn_of_bodies_without_module_paths(program.graph_module)
+    warn_of_bodies_without_module_paths(program.graph_module, config.lists, "export_program")
     return rewrite_program(program, config.for_model(model))  # a shared module is black by any of its names
 
 
-def _warn_of_bodies_without_module_paths(graph_module: torch.fx.GraphModule) -> None:
+def warn_of_bodies_without_module_paths(graph_module: torch.fx.GraphModule, lists, entry_point: str) -> None:
     """torch.export (non-strict) records no module path in the bodies of torch.cond, while_loop, ...: black-module
-    patterns cannot reach the ops there, which the lists then decide by op alone. Say so, rather than run them low."""
+    patterns cannot reach the ops there, which the lists then decide by op alone. Say so, rather than run them low:
+    `entry_point` (export_program, doctor, auto_mixed_precision) decides by the captured program."""
+    if not lists.black_modules:
+        return
     found = {
         node.target.__name__
         for module in graph_module.modules() if isinstance(module, torch.fx.GraphModule)
@@ -82,7 +84,7 @@ def _warn_of_bodies_without_module_paths(graph_module: torch.fx.GraphModule) -> 
     }
     if found:
         warnings.warn(
-            f"export_program(): torch.export records no module path inside {', '.join(sorted(found))} bodies, so the "
+            f"{entry_point}(): torch.export records no module path inside {', '.join(sorted(found))} bodies, so the "
             f"black-module patterns cannot keep their ops FP32: there the op lists alone decide. rewrite() knows those "
             f"paths; or put the ops on custom_black_list.", stacklevel=3,
         )
