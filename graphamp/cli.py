@@ -309,6 +309,9 @@ def _factory_call(args, parser):
             f"{spec} returned {got}; it must return (model, example_args) or (model, example_args, example_kwargs)."
         )
     model, example_args, example_kwargs = (*result, {}) if len(result) == 2 else result
+    if isinstance(example_args, list):  # as export_program() refuses it: one list argument or several arguments?
+        raise GraphampError(f"{spec} returned example_args as a list; return a tuple: (x,) or (x, y), or ([x, y],) "
+                            f"for a model whose one argument is a list.")
     if not isinstance(example_args, tuple):
         example_args = (example_args,)
     if not isinstance(example_kwargs, dict):

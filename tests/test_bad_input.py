@@ -101,6 +101,13 @@ BAD_CALLS = [
     # argument types
     pytest.param(lambda tmp: AutoMixedPrecisionLists(custom_white_list=123), ListFileError,
                  r"custom_white_list=123: pass a list of names", id="custom_white_list-not-a-list"),
+    pytest.param(lambda tmp: AutoMixedPrecisionLists(custom_white_list=b"mm"), ListFileError,
+                 r"custom_white_list=b'mm': pass a list of names .*, not a bytes", id="custom_white_list-bytes"),
+    pytest.param(lambda tmp: AutoMixedPrecisionLists(custom_black_list=[torch.matmul]), ListFileError,
+                 r"custom_black_list: <built-in method matmul .* is not an op name; .* Did you mean 'matmul'\?",
+                 id="custom_black_list-a-torch-function"),
+    pytest.param(lambda tmp: AutoMixedPrecisionLists(custom_white_list=["MM"]), ListFileError,
+                 r"custom_white_list: unknown op 'MM': .* Did you mean 'mm'", id="custom_white_list-op-in-capitals"),
     pytest.param(lambda tmp: graphamp.rewrite(nn.Linear(4, 4), (x(),), amp_lists="bfloat16"), ArgumentError,
                  r"rewrite\(amp_lists=\.\.\.\) got a str; pass graphamp\.AutoMixedPrecisionLists\(dtype='bfloat16'\)",
                  id="rewrite-amp_lists-a-string"),
@@ -622,6 +629,7 @@ FACTORIES = {
     "broken.py": "def make(:\n    pass\n",
     "needs_missing.py": "import graphamp_no_such_package\n\ndef make():\n    pass\n",
     "fine.py": "import torch\nfrom torch import nn\n\ndef make():\n    return nn.Linear(4, 4), (torch.randn(2, 4),)\n",
+    "listed.py": "import torch\nfrom torch import nn\n\ndef make():\n    return nn.Linear(4, 4), [torch.randn(2, 4)]\n",
 }
 
 BAD_COMMANDS = [
@@ -634,6 +642,8 @@ BAD_COMMANDS = [
     pytest.param(["export", "needs_missing:make", "--out", "out"], 1,
                  r"^error: needs_missing:make: importing needs_missing failed: ModuleNotFoundError: "
                  r"No module named 'graphamp_no_such_package'", id="factory-module-import-fails"),
+    pytest.param(["export", "listed:make", "--out", "out"], 1, r"^error: listed:make returned example_args as a list; "
+                 r"return a tuple: \(x,\) or \(x, y\)", id="factory-returns-example_args-as-a-list"),
     pytest.param(["export", "fine:make", "--out", "a_file"], 1, r"^error: a_file: is a file, not a folder",
                  id="export-out-is-a-file"),
     pytest.param(["export", "fine:make", "--out", "a_file/out"], 1,
