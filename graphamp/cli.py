@@ -27,7 +27,7 @@ from graphamp.diagnosis.diagnose import doctor, format_report
 from graphamp.diagnosis.list_writer import refuse_to_overwrite
 from graphamp.errors import GraphampError, ListFileError
 from graphamp.frontends.export_program import export_program
-from graphamp.inspection.export_files import FILES, check_out_dir, export
+from graphamp.inspection.export_files import FILES, check_out_dir, export, made_folders_removed_on_failure
 from graphamp.policy.list_files import no_white_entries
 from graphamp.policy.lists import COLORS, WHITE, AutoMixedPrecisionLists
 
@@ -144,12 +144,13 @@ def _add_export(subcommands) -> None:
 
 
 def _export(args, parser) -> int:
-    check_out_dir(Path(args.out), args.force)
-    lists = AutoMixedPrecisionLists(dtype=args.dtype, lists_dir=args.lists)
-    model, example_args, example_kwargs = _factory_call(args, parser)
-    with _checks_named(args.factory):
-        program = export_program(model, example_args, example_kwargs, amp_lists=lists, level=args.level)
-    out = export(program, args.out, overwrite=args.force, model=model)
+    with made_folders_removed_on_failure(Path(args.out)):
+        check_out_dir(Path(args.out), args.force)
+        lists = AutoMixedPrecisionLists(dtype=args.dtype, lists_dir=args.lists)
+        model, example_args, example_kwargs = _factory_call(args, parser)
+        with _checks_named(args.factory):
+            program = export_program(model, example_args, example_kwargs, amp_lists=lists, level=args.level)
+        out = export(program, args.out, overwrite=args.force, model=model)
     print(program.graph_module.meta["graphamp_report"])
     print(f"wrote {out}/: {' '.join(FILES)}")
     return 0
@@ -200,6 +201,11 @@ _positive_number = _number(float, lambda v: math.isfinite(v) and v > 0, "a posit
 
 
 def _doctor(args, parser) -> int:
+    with made_folders_removed_on_failure(*(Path(folder) for folder in (args.out, args.apply) if folder)):
+        return _diagnose(args, parser)
+
+
+def _diagnose(args, parser) -> int:
     lists = AutoMixedPrecisionLists(dtype=args.dtype, lists_dir=args.lists)
     # The folders are checked (and created) now, not after the whole diagnosis ran.
     if Path(args.out).is_file():
@@ -303,6 +309,9 @@ def _factory_call(args, parser):
             f"{spec} returned {got}; it must return (model, example_args) or (model, example_args, example_kwargs)."
         )
     model, example_args, example_kwargs = (*result, {}) if len(result) == 2 else result
+    if isinstance(example_args, list):  # as export_program() refuses it: one list argument or several arguments?
+        raise GraphampError(f"{spec} returned example_args as a list; return a tuple: (x,) or (x, y), or ([x, y],) "
+                            f"for a model whose one argument is a list.")
     if not isinstance(example_args, tuple):
         example_args = (example_args,)
     if not isinstance(example_kwargs, dict):

@@ -101,6 +101,13 @@ BAD_CALLS = [
     # argument types
     pytest.param(lambda tmp: AutoMixedPrecisionLists(custom_white_list=123), ListFileError,
                  r"custom_white_list=123: pass a list of names", id="custom_white_list-not-a-list"),
+    pytest.param(lambda tmp: AutoMixedPrecisionLists(custom_white_list=b"mm"), ListFileError,
+                 r"custom_white_list=b'mm': pass a list of names .*, not a bytes", id="custom_white_list-bytes"),
+    pytest.param(lambda tmp: AutoMixedPrecisionLists(custom_black_list=[torch.matmul]), ListFileError,
+                 r"custom_black_list: <built-in method matmul .* is not an op name; .* Did you mean 'matmul'\?",
+                 id="custom_black_list-a-torch-function"),
+    pytest.param(lambda tmp: AutoMixedPrecisionLists(custom_white_list=["MM"]), ListFileError,
+                 r"custom_white_list: unknown op 'MM': .* Did you mean 'mm'", id="custom_white_list-op-in-capitals"),
     pytest.param(lambda tmp: graphamp.rewrite(nn.Linear(4, 4), (x(),), amp_lists="bfloat16"), ArgumentError,
                  r"rewrite\(amp_lists=\.\.\.\) got a str; pass graphamp\.AutoMixedPrecisionLists\(dtype='bfloat16'\)",
                  id="rewrite-amp_lists-a-string"),
@@ -179,6 +186,13 @@ BAD_CALLS = [
                  r"black_modules\.txt", id="lists_dir-without-list-files"),
     pytest.param(lists_folder(**{"White.txt": "mm\n"}), ListFileError,
                  r"White\.txt: graphamp does not read this file; did you mean white\.txt\?", id="lists_dir-White.txt"),
+    pytest.param(lists_folder(**{"black.txt": "softmax\n", "white.TXT": "mm\n"}), ListFileError,
+                 r"white\.TXT: graphamp does not read this file; did you mean white\.txt\?", id="lists_dir-white.TXT"),
+    pytest.param(lists_folder(**{"black.txt": "softmax\n", "white.list": "mm\n"}), ListFileError,
+                 r"white\.list: graphamp does not read this file; did you mean white\.txt\?", id="lists_dir-white.list"),
+    pytest.param(lists_folder(**{"white.txt": "mm\n", "Black_Modules.TXT": "head\n"}), ListFileError,
+                 r"Black_Modules\.TXT: graphamp does not read this file; did you mean black_modules\.txt\?",
+                 id="lists_dir-Black_Modules.TXT"),
     pytest.param(lambda tmp: AutoMixedPrecisionLists(lists_dir=5), ListFileError,
                  r"lists_dir=5: pass the path of a lists folder", id="lists_dir-a-number"),
     pytest.param(lambda tmp: AutoMixedPrecisionLists(lists_dir=tmp / "missing"), ListFileError,
@@ -290,6 +304,13 @@ def test_model_compile_refuses_an_unknown_inductor_option_and_keeps_its_settings
 
 # -- lists ---------------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("name", ["README.md", "notes.txt", "white.txt~", "white.txt.bak", ".white.txt.swp"])
+def test_a_lists_folder_may_hold_files_that_are_no_misnamed_list(name, tmp_path):
+    folder = write_list_folder(tmp_path, white="mm\n", **{name: "not a list\n"})
+
+    assert AutoMixedPrecisionLists(dtype="bfloat16", lists_dir=folder).white_list == {"mm"}
+
+
 def test_a_byte_order_mark_is_skipped(tmp_path):
     folder = write_list_folder(tmp_path, white="\ufeffmm\n")
 
@@ -322,6 +343,46 @@ def test_a_typo_of_a_registered_custom_op_gets_a_suggestion():
                                           r"it before the model is rewritten \(did you mean "
                                           r"'graphamp_bad_input::fused_gelu'\?\)\.$"):
         bf16_lists(custom_white_list=["graphamp_bad_input::fused_gleu"])
+
+
+@torch.library.custom_op("graphamp_no_fake::doubled", mutates_args=())
+def doubled_without_fake(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+class CallsAnOpWithoutFake(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return doubled_without_fake(self.linear(x))
+
+
+NO_FAKE = (r"cannot capture CallsAnOpWithoutFake at .*: the custom op 'graphamp_no_fake::doubled' has no fake "
+           r"implementation.*Fix: register one with torch\.library\.register_fake\('graphamp_no_fake::doubled'\)")
+
+
+@pytest.mark.parametrize("entry_point", [graphamp.rewrite, graphamp.export_program, graphamp.doctor])
+def test_a_custom_op_without_fake_implementation_is_named_with_the_fix_and_the_model_left_as_it_was(entry_point):
+    """torch.compile and torch.export need its output's shape and dtype: dynamo's raw error (or a CaptureError
+    whose fix says 'make that construct traceable') becomes graphamp's, naming the op and register_fake."""
+    model = CallsAnOpWithoutFake()
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+
+    with pytest.raises(graphamp.CaptureError, match=NO_FAKE):
+        entry_point(model, (x(),), amp_lists=bf16_lists())
+
+    assert not graphamp.is_rewritten(model) and model._compiled_call_impl is None
+    assert all(torch.equal(tensor, state[name]) for name, tensor in model.state_dict().items())
+    assert model(x()).dtype == torch.float32
+
+
+def test_a_custom_op_without_fake_implementation_is_named_at_the_first_call_of_a_model_rewritten_without_examples():
+    model = graphamp.rewrite(CallsAnOpWithoutFake(), amp_lists=bf16_lists())
+
+    with pytest.raises(graphamp.CaptureError, match=NO_FAKE):
+        model(x())
 
 
 def test_many_unregistered_custom_ops_give_one_warning(tmp_path):
@@ -403,25 +464,40 @@ class BranchingHead(Head):
         return torch.cond(hidden.sum() > 0, lambda h: self.head(h), lambda h: h[..., :2] * 2, (hidden,))
 
 
-def test_export_program_says_black_module_patterns_cannot_reach_a_cond_bodys_ops():
-    """Kept FP32 by rewrite(), which knows the body's module paths; export_program() cannot tell, and says so."""
-    with pytest.warns(UserWarning, match=r"records no module path inside cond bodies, so the black-module patterns "
-                                          r"cannot keep their ops FP32.*rewrite\(\) knows those paths"):
-        graphamp.export_program(BranchingHead(), (x(),), amp_lists=bf16_lists(custom_black_modules=["head"]))
+@pytest.mark.parametrize("entry_point", ["export_program", "doctor", "auto_mixed_precision"])
+def test_entry_points_reading_the_exported_program_say_black_module_patterns_cannot_reach_a_cond_bodys_ops(entry_point):
+    """Kept FP32 by rewrite(), which knows the body's module paths; the exported program (export_program's, and the
+    one the doctor and auto_mixed_precision measure) cannot tell, and each says so, at the user's line."""
+    with pytest.warns(UserWarning, match=rf"^{entry_point}\(\): torch\.export records no module path inside cond "
+                                          r"bodies, so the black-module patterns cannot keep their ops FP32.*"
+                                          r"rewrite\(\) knows those paths") as caught:
+        getattr(graphamp, entry_point)(BranchingHead(), (x(),), amp_lists=bf16_lists(custom_black_modules=["head"]))
+
+    assert {w.filename for w in caught if "records no module path" in str(w.message)} == {__file__}
 
 
-def test_an_unmatched_black_module_pattern_warns_on_auto_cast_once_per_lists():
-    """auto_cast(model=) is entered every step: it warns on the first entry with these lists, not on each."""
+def test_an_unmatched_black_module_pattern_warns_at_every_auto_cast_of_a_model_it_matches_nothing_in():
+    """Not once per lists: lists rewrite() used already, a second model, a second entry each say so (Python's own
+    filters show a warning once per line of code, which a training loop entering auto_cast each step relies on)."""
     lists = bf16_lists(custom_black_modules=["lm_head"])
-    model = Head()
-    with pytest.warns(UserWarning, match=r"black-module pattern 'lm_head' matches no module of Head.*closest module "
-                                          r"paths: head"):
-        with graphamp.auto_cast(lists, model=model):
-            model(x())
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*black-module pattern")
-        with graphamp.auto_cast(lists, model=model):
-            model(x())
+    graphamp.rewrite(Head(), (x(),), amp_lists=lists)
+    unmatched = r"black-module pattern 'lm_head' matches no module of Head.*closest module paths: head"
+
+    for model in (Head(), Head(), Head()):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with graphamp.auto_cast(lists, model=model):
+                model(x())
+        assert [str(w.message) for w in caught if re.search(unmatched, str(w.message))] != []
+        assert [w.filename for w in caught] == [__file__]  # the user's line, not graphamp's
+
+
+def test_an_unmatched_black_module_pattern_of_a_backend_names_the_callers_line():
+    with pytest.warns(UserWarning, match=r"black-module pattern 'lm_head' matches no module of Head") as caught:
+        graphamp.backend(bf16_lists(custom_black_modules=["lm_head"]), model=Head())
+
+    assert [w.filename for w in caught] == [__file__]
+
 
 # -- rewrite()'s arguments of the export-based release --------------------------------------------------------
 
@@ -457,6 +533,23 @@ def test_compile_mode_warns_that_it_is_now_mode_and_still_sets_it():
 
 
 # -- export --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("make", [program, rewritten_model], ids=["program", "rewritten-model"])
+def test_a_failed_export_leaves_no_folder_it_made_and_a_folder_that_was_there_as_it_was(tmp_path, make, monkeypatch):
+    (tmp_path / "there").mkdir()
+    (tmp_path / "there" / "notes.md").write_text("mine")
+    what = make()
+
+    def fails(*args):
+        raise ExportError("dot failed")  # as graph.svg's Graphviz can, after the folders were made
+
+    monkeypatch.setattr("graphamp.inspection.export_files.render_svg", fails)
+    for out in (tmp_path / "new" / "out", tmp_path / "there"):
+        with pytest.raises(ExportError, match="dot failed"):
+            graphamp.export(what, out)
+
+    assert _files_in(tmp_path) == ["there", "there/notes.md"]
+
 
 @pytest.mark.parametrize("make", [program, rewritten_model], ids=["program", "rewritten-model"])
 def test_export_overwrites_an_earlier_export_when_told(tmp_path, make):
@@ -536,6 +629,7 @@ FACTORIES = {
     "broken.py": "def make(:\n    pass\n",
     "needs_missing.py": "import graphamp_no_such_package\n\ndef make():\n    pass\n",
     "fine.py": "import torch\nfrom torch import nn\n\ndef make():\n    return nn.Linear(4, 4), (torch.randn(2, 4),)\n",
+    "listed.py": "import torch\nfrom torch import nn\n\ndef make():\n    return nn.Linear(4, 4), [torch.randn(2, 4)]\n",
 }
 
 BAD_COMMANDS = [
@@ -548,6 +642,8 @@ BAD_COMMANDS = [
     pytest.param(["export", "needs_missing:make", "--out", "out"], 1,
                  r"^error: needs_missing:make: importing needs_missing failed: ModuleNotFoundError: "
                  r"No module named 'graphamp_no_such_package'", id="factory-module-import-fails"),
+    pytest.param(["export", "listed:make", "--out", "out"], 1, r"^error: listed:make returned example_args as a list; "
+                 r"return a tuple: \(x,\) or \(x, y\)", id="factory-returns-example_args-as-a-list"),
     pytest.param(["export", "fine:make", "--out", "a_file"], 1, r"^error: a_file: is a file, not a folder",
                  id="export-out-is-a-file"),
     pytest.param(["export", "fine:make", "--out", "a_file/out"], 1,
@@ -555,6 +651,10 @@ BAD_COMMANDS = [
     pytest.param(["export", "fine:make", "--out", "done"], 1,
                  r"^error: done/graph\.py: already exists; pass overwrite=True \(graphamp export --force\)",
                  id="export-over-an-earlier-export"),
+    pytest.param(["export", "fine:make", "--out", "new/out", "--lists", "empty"], 1,
+                 r"^error: empty: holds none of white\.txt", id="export-lists-fail-after-the-out-folder-is-checked"),
+    pytest.param(["doctor", "raises:make", "--out", "report", "--apply", "new/applied"], 1,
+                 r"^error: raises:make: make\(\) raised RuntimeError", id="doctor-factory-raises"),
     pytest.param(["doctor", "fine:make", "--loss-scaling", "nan"], 2,
                  r"argument --loss-scaling: 'nan' is not a positive finite number", id="doctor-nan-scaling"),
     pytest.param(["doctor", "fine:make", "--top", "-3"], 2,
@@ -582,14 +682,20 @@ def test_bad_command_gets_one_error_line_and_no_traceback(argv, status, message,
     (tmp_path / "empty").mkdir()
     (tmp_path / "latin1").mkdir()
     (tmp_path / "latin1" / "white.txt").write_bytes("mm\n# café\n".encode("latin-1"))
+    before = _files_in(tmp_path)
 
     result = run_cli(argv)
 
     assert result.returncode == status
     assert "Traceback" not in result.stderr
     assert re.search(message, result.stderr, flags=re.MULTILINE | re.DOTALL), result.stderr
-    assert not (tmp_path / "report").exists()  # the doctor stopped before its diagnosis
+    assert _files_in(tmp_path) == before  # no --out or --apply folder it made is left, empty or partial
     assert (tmp_path / "done" / "graph.py").read_text() == "an earlier export"
+
+
+def _files_in(folder: Path) -> list[str]:
+    """Every file and folder under `folder` but Python's bytecode caches of the imported factories."""
+    return sorted(str(path.relative_to(folder)) for path in folder.rglob("*") if "__pycache__" not in path.parts)
 
 
 def test_debug_prints_the_traceback_of_the_users_error(tmp_path, run_cli):

@@ -18,6 +18,7 @@ from graphamp.diagnosis.list_writer import write_lists
 from graphamp.policy.dtypes import dtype_name
 from graphamp.policy.lists import BLACK, WHITE, AutoMixedPrecisionLists
 from graphamp.diagnosis.probe import NodeNumerics, Probe, by_list_entry
+from graphamp.frontends.export_program import warn_of_bodies_without_module_paths
 
 __all__ = ["AutoListsResult", "auto_mixed_precision"]
 
@@ -82,6 +83,7 @@ def auto_mixed_precision(
     if not (isinstance(tolerance, (int, float)) and tolerance > 0):
         raise ArgumentError(f"tolerance={tolerance!r}: pass a positive relative error, e.g. 1e-2.")
     probe = Probe(model, example_args, example_kwargs, level, loss_fn, promote_ops=start.promote_ops)
+    warn_of_bodies_without_module_paths(probe.graph_module, start, "auto_mixed_precision")
     reference = probe.reference(seed=0, backward=False)
     measured = probe.compare(start, reference, backward=False)
     colors = {e.name: e.color for e in start.entries()}

@@ -24,6 +24,7 @@ from graphamp.errors import ArgumentError
 from graphamp.policy.lists import AutoMixedPrecisionLists
 from graphamp.diagnosis.numerics import floating_leaves, ranked, relative_error, worst
 from graphamp.diagnosis.probe import NodeNumerics, Probe
+from graphamp.frontends.export_program import warn_of_bodies_without_module_paths
 from graphamp.diagnosis.suggestions import (
     BLACK_MODULE, WHITE_OP, Suggestion, accuracy_and_speed, fixes_for_nonfinite, lists_with, measured_on_the_loss,
 )
@@ -167,6 +168,7 @@ def doctor(
         raise ArgumentError(f"loss_scaling={loss_scaling!r}: pass a positive finite number, e.g. 1024.0.")
     probe = Probe(model, example_args, example_kwargs, level, loss_fn, loss_scaling, dynamic,
                   promote_ops=amp_lists.promote_ops)
+    warn_of_bodies_without_module_paths(probe.graph_module, amp_lists, "doctor")
     report = None
     for step in range(steps):
         reference = probe.reference(seed=step)

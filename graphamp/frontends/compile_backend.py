@@ -79,7 +79,7 @@ def backend(
     config = AmpConfig(amp_lists if amp_lists is not None else AutoMixedPrecisionLists(), level)
     if model is not None:
         check_module(model, "backend(model=...)")
-        config.lists.warn_unmatched_black_modules(model)
+        config.lists.warn_unmatched_black_modules(model, stacklevel=3)
     return AmpBackend(config, inductor, inductor_options, model)
 
 

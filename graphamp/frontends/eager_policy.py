@@ -882,10 +882,10 @@ def auto_cast(amp_lists: AutoMixedPrecisionLists | None = None, level: str = "O1
     if model is not None:
         check_module(model, "auto_cast(model=...)")
     config = AmpConfig(amp_lists if amp_lists is not None else AutoMixedPrecisionLists(), level)
-    if config not in _RULES:  # once per lists: the scans cost ~1 ms, and a loop enters auto_cast every step
+    if config not in _RULES:  # once per lists: the scan costs ~1 ms, and a loop enters auto_cast every step
         warn_of_custom_fwd_casts("auto_cast")
-        if model is not None:
-            config.lists.warn_unmatched_black_modules(model)
+    if model is not None:  # at every entry, as rewrite() does: the lists may be new to this model
+        config.lists.warn_unmatched_black_modules(model, stacklevel=3)
     if model is None and config.lists.black_modules:
         warnings.warn(
             f"auto_cast(): the lists' black-module patterns ({', '.join(p.name for p in config.lists.black_modules)}) "

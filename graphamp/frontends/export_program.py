@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import re
 import traceback
 import warnings
 from pathlib import Path
@@ -31,7 +32,8 @@ from graphamp.torch_private import (
 )
 
 __all__ = [
-    "capture_program", "explain_capture_failure", "export_program", "refuse_examples_that_do_not_fit", "rewrite_program",
+    "capture_program", "explain_capture_failure", "export_program", "op_without_fake_impl", "refuse_examples_that_do_not_fit",
+    "rewrite_program", "warn_of_bodies_without_module_paths",
 ]
 
 _TORCH_DIR = str(Path(torch.__file__).resolve().parent)
@@ -61,14 +63,16 @@ def export_program(
         pytree.tree_leaves((args, kwargs)), f"graphamp.export_program() of {type(model).__name__} was called"
     )
     program = capture_program(model, args, kwargs, dynamic, config.lists.promote_ops)
-    if config.lists.black_modules:
-        _warn_of_bodies_without_module_paths(program.graph_module)
+    warn_of_bodies_without_module_paths(program.graph_module, config.lists, "export_program")
     return rewrite_program(program, config.for_model(model))  # a shared module is black by any of its names
 
 
-def _warn_of_bodies_without_module_paths(graph_module: torch.fx.GraphModule) -> None:
+def warn_of_bodies_without_module_paths(graph_module: torch.fx.GraphModule, lists, entry_point: str) -> None:
     """torch.export (non-strict) records no module path in the bodies of torch.cond, while_loop, ...: black-module
-    patterns cannot reach the ops there, which the lists then decide by op alone. Say so, rather than run them low."""
+    patterns cannot reach the ops there, which the lists then decide by op alone. Say so, rather than run them low:
+    `entry_point` (export_program, doctor, auto_mixed_precision) decides by the captured program."""
+    if not lists.black_modules:
+        return
     found = {
         node.target.__name__
         for module in graph_module.modules() if isinstance(module, torch.fx.GraphModule)
@@ -80,7 +84,7 @@ def _warn_of_bodies_without_module_paths(graph_module: torch.fx.GraphModule) -> 
     }
     if found:
         warnings.warn(
-            f"export_program(): torch.export records no module path inside {', '.join(sorted(found))} bodies, so the "
+            f"{entry_point}(): torch.export records no module path inside {', '.join(sorted(found))} bodies, so the "
             f"black-module patterns cannot keep their ops FP32: there the op lists alone decide. rewrite() knows those "
             f"paths; or put the ops on custom_black_list.", stacklevel=3,
         )
@@ -194,11 +198,34 @@ def explain_capture_failure(model: nn.Module, error: Exception) -> str:
             f"`.item()` on a tensor). Fix: express it with torch.cond / torch.where, or compute it outside forward; "
             f"for a transformers model given `labels`, call it without them and compute the loss from the logits."
         )
+    if op := op_without_fake_impl(error):
+        return (
+            f"cannot capture {name}{at}: the custom op '{op}' has no fake implementation, which torch.compile and "
+            f"torch.export run to learn the shape and dtype of its output. Fix: register one with "
+            f"torch.library.register_fake('{op}') (lists/README.md, 'A custom torch.library op', shows one)."
+        )
     first_line = text.strip().splitlines()[0] if text.strip() else type(error).__name__
     return (
         f"cannot capture {name} with torch.export{at}: {type(error).__name__}: {first_line}. Fix: make that "
         f"construct traceable (see the torch.export docs on non-strict mode), or keep it out of forward()."
     )
+
+
+# torch's words for an op without a fake (meta) kernel: a custom_op's, and a Library.define op's (no Meta kernel)
+_NO_FAKE_IMPL = re.compile(r"no fake impl registered for <CustomOpDef\(([\w.]+::[\w.]+)\)>"
+                           r"|([\w.]+::[\w.]+): attempted to run this operator with Meta tensors")
+
+
+def op_without_fake_impl(error: BaseException) -> str | None:
+    """The custom op ('mylib::op') whose missing fake implementation `error`, or an error it was raised from, reports
+    (dynamo wraps torch's error in its own)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if match := _NO_FAKE_IMPL.search(str(error)):
+            return match.group(1) or match.group(2)
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def _user_frame(error: Exception) -> str:

@@ -25,13 +25,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from graphamp.errors import ArgumentError, GraphampError
+from graphamp.errors import ArgumentError, CaptureError, GraphampError
 from graphamp.frontends.compile_backend import (
     GRAPHAMP_OPTIONS, AmpBackend, BackendGraph, refuse_fsdp2_param_dtype, refuse_outer_autocast,
     refuse_unknown_inductor_options,
 )
 from graphamp.frontends.eager_policy import EagerPolicy, ModelFacts, rules_for
-from graphamp.frontends.export_program import refuse_examples_that_do_not_fit
+from graphamp.frontends.export_program import (
+    explain_capture_failure, op_without_fake_impl, refuse_examples_that_do_not_fit,
+)
 from graphamp.policy.config import CAST_AFTER, AmpConfig, check_entry_arguments, check_master_weights
 from graphamp.torch_private import (
     BackendCompilerFailed, call_module_with_hooks, composable_apis_on, dispatch_mode_makes_dynamo_run_eagerly,
@@ -362,8 +364,10 @@ class _AmpCall:
                 inner.__suppress_context__ = True
                 raise inner
             raise
-        except RuntimeError:  # torch 2.11 guards no parameter dtype on some modules: a kernel met a `.half()` weight
+        except RuntimeError as error:  # torch 2.11 guards no parameter dtype on some modules: a kernel met a `.half()` weight
             check_master_weights(state.model, CAST_AFTER)
+            if op_without_fake_impl(error):  # dynamo's raw error: say which op and the fix, as export_program does
+                raise CaptureError(explain_capture_failure(state.model, error)) from error
             raise
         return result
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import re
 import shutil
 from contextlib import contextmanager, nullcontext
@@ -29,7 +30,7 @@ from graphamp.policy.dtypes import dtype_name
 from graphamp.policy.lists import Decision, op_lookup_keys
 from graphamp.torch_private import HigherOrderOperator, OpOverload, pytree
 
-__all__ = ["FILES", "export"]
+__all__ = ["FILES", "export", "made_folders_removed_on_failure"]
 
 FILES = ("graph.py", "graph.json", "graph.svg", "report.html", "diff.txt")
 
@@ -59,9 +60,12 @@ def export(what, out_dir, example_args=None, example_kwargs=None, overwrite: boo
             f"arguments ((x,), or ([x, y],) for one list), a dict of keyword arguments and the FP32 nn.Module."
         )
     if isinstance(what, ExportedProgram):
-        return _export_program(what, out, example_args, example_kwargs, overwrite, model)
+        with made_folders_removed_on_failure(out):
+            return _export_program(what, out, example_args, example_kwargs, overwrite, model)
     if isinstance(what, AmpBackend) or is_rewritten(what):
-        return _export_graphs(what, out, overwrite)
+        graphs = rewritten_graphs(what)
+        with made_folders_removed_on_failure(out, *(out / f"graph_{i}" for i in range(len(graphs)))):
+            return _export_graphs(what, graphs, out, overwrite)
     raise ArgumentError(
         f"export() takes the ExportedProgram graphamp.export_program() returns, a model graphamp.rewrite() "
         f"converted, or a graphamp.backend; got a {type(what).__name__}. For an FP32 model: "
@@ -94,9 +98,8 @@ def _export_program(program: ExportedProgram, out: Path, example_args, example_k
     return out
 
 
-def _export_graphs(what, out: Path, overwrite: bool) -> Path:
+def _export_graphs(what, graphs, out: Path, overwrite: bool) -> Path:
     """One folder a graph, graph_0, graph_1, ... in the order dynamo compiled them."""
-    graphs = rewritten_graphs(what)
     if not graphs:
         raise ArgumentError(
             f"export() got a {type(what).__name__} with no rewritten graph yet: call the model once (or rewrite it "
@@ -153,6 +156,23 @@ def _write(out: Path, texts: dict[str, str]) -> None:
             (out / name).write_text(text, encoding="utf-8")
     except OSError as error:
         raise ExportError(f"{out}: cannot write the export there ({error}); pass a folder you can write to.") from error
+
+
+@contextmanager
+def made_folders_removed_on_failure(*folders: Path):
+    """If the block raises, remove what it made of `folders`: the outermost of each that did not exist before. A
+    failed export (or `graphamp` command) leaves no empty or partial folder behind; one that existed is kept."""
+    made = []
+    for folder in map(Path, folders):
+        missing = [path for path in (folder, *folder.parents) if not os.path.lexists(path)]
+        if missing:
+            made.append(missing[-1])
+    try:
+        yield
+    except BaseException:  # Ctrl-C too
+        for folder in made:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
 
 
 def check_out_dir(out: Path, overwrite: bool) -> None:

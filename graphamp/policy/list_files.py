@@ -44,19 +44,30 @@ def check_lists_folder(folder: Path) -> None:
     folder = Path(folder)
     if not folder.is_dir():
         raise ListFileError(f"{folder}: lists_dir is not a folder; pass a folder holding {', '.join(LIST_FILES)}.")
-    present = sorted(p.name for p in folder.glob("*.txt"))
-    for name in present:
-        if name not in LIST_FILES:
-            close = difflib.get_close_matches(name.lower(), LIST_FILES, n=1, cutoff=0.6)
-            if close:
-                raise ListFileError(f"{folder / name}: graphamp does not read this file; did you mean {close[0]}?")
-    if not set(present) & set(LIST_FILES):
+    for path in sorted(folder.iterdir()):
+        if path.is_file() and (meant := _meant_list_file(path.name)):
+            raise ListFileError(f"{path}: graphamp does not read this file; did you mean {meant}?")
+    if not {p.name for p in folder.glob("*.txt")} & set(LIST_FILES):
         raise ListFileError(
             f"{folder}: holds none of {', '.join(LIST_FILES)}; a lists folder replaces the shipped lists, "
             f"so it would leave every op unlisted. Copy graphamp's lists/ folder and edit it."
         )
     if message := no_white_entries(folder):
         warnings.warn(message, stacklevel=3)  # at the caller of AutoMixedPrecisionLists(lists_dir=...)
+
+
+def _meant_list_file(name: str) -> str | None:
+    """The list file a file of a lists folder was meant to be ('White.txt', 'white.TXT', 'white.list', 'whitelist.txt':
+    all white.txt), or None for one graphamp may ignore (README.md, notes.txt, an editor's backup white.txt~)."""
+    if name in LIST_FILES or name.startswith(".") or name.lower().endswith(("~", ".bak", ".orig", ".swp")):
+        return None
+    stem, _, extension = name.lower().rpartition(".") if name.count(".") == 1 else (name.lower(), "", "")
+    stem = re.sub(r"[_-]?lists?$", "", stem) or stem  # 'whitelist', Paddle's 'white_list'
+    stems = {file.removesuffix(".txt"): file for file in LIST_FILES}
+    if extension != "txt":  # another extension (white.list, white): the list's own name only, not graph.json
+        return stems.get(stem)
+    close = difflib.get_close_matches(stem, stems, n=1, cutoff=0.6)
+    return stems[close[0]] if close else None
 
 
 def no_white_entries(folder: Path) -> str | None:

@@ -124,7 +124,8 @@ def check_op_name(entry: str, where: str, unregistered: list[tuple[str, str]] | 
             else:
                 unregistered.append(note)
             return
-        close = difflib.get_close_matches(entry.partition(".")[0], _known_op_names(), n=3, cutoff=0.6)
+        # aten names are lowercase: 'MM' is 'mm'
+        close = difflib.get_close_matches(entry.partition(".")[0].lower(), _known_op_names(), n=3, cutoff=0.6)
         hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
         raise ListFileError(f"{where}: unknown op '{entry}': torch.ops.aten has no such operator.{hint}")
     if overload is not None:
@@ -283,9 +284,11 @@ class AutoMixedPrecisionLists:
         entries = self._read_entries(PROMOTE_FILE, lambda entry, where: check_op_name(canonical_op_name(entry), where))
         return tuple(ListEntry(canonical_op_name(entry), "promote", where) for entry, where in entries)
 
-    def warn_unmatched_black_modules(self, model: torch.nn.Module) -> None:
+    def warn_unmatched_black_modules(self, model: torch.nn.Module, stacklevel: int = 4) -> None:
         """Warn for each black-module pattern that matches no module of `model`, naming the closest paths:
-        the user believes those ops run in FP32 while they run low."""
+        the user believes those ops run in FP32 while they run low. `stacklevel` points at the user's call."""
+        if not self.black_modules:
+            return
         # remove_duplicate=False: a module shared under two names answers to both
         paths = [name for name, _ in model.named_modules(remove_duplicate=False) if name]
         for pattern, close in self.unmatched_black_modules(paths):
@@ -293,7 +296,7 @@ class AutoMixedPrecisionLists:
             warnings.warn(
                 f"{pattern.source}: black-module pattern '{pattern.name}' matches no module of "
                 f"{type(model).__name__}, so it keeps nothing in FP32; {hint}.",
-                stacklevel=4,
+                stacklevel=stacklevel,
             )
 
     def unmatched_black_modules(self, paths: list[str]) -> list[tuple[ListEntry, list[str]]]:
@@ -421,14 +424,17 @@ def _as_names(values, argument: str, kind: tuple[str, str]) -> list[str]:
         return []
     if isinstance(values, (str, *ops)):
         values = [values]
-    if not isinstance(values, Iterable):
+    if isinstance(values, (bytes, bytearray)) or not isinstance(values, Iterable):  # bytes would iterate as ints
         raise ListFileError(f"{argument}={values!r}: pass a list of {kind[1]}, not a {type(values).__name__}.")
     names = []
     for value in values:
         if isinstance(value, ops):  # str(): 'aten.softmax.int', which canonical_op_name reads
             value = str(value) if isinstance(value, OpOverload) else qualified_op_name(value)
         if not isinstance(value, str) or not value.strip():
-            raise ListFileError(f"{argument}: {value!r} is not {kind[0]}; pass {kind[1]}.")
+            # torch.matmul, F.linear: a Python function, named as the op it calls
+            name = str(getattr(value, "__name__", "")).lower() if kind is _OP_NAMES else ""
+            hint = f" Did you mean {name!r}?" if name in _known_op_names() else ""
+            raise ListFileError(f"{argument}: {value!r} is not {kind[0]}; pass {kind[1]}.{hint}")
         check_visible(value, argument)
         names.append(value.strip())
     return names
