@@ -34,8 +34,9 @@ from torch.nn.modules import module as module_globals
 
 __all__ = [
     "disabled_torch_function_impl", "make_wrapper_subclass", "torch_function_off", "view_base",
-    "BackendCompilerFailed", "DYNAMIC_DIM_MARKERS", "ENTER_AUTOCAST", "EXIT_AUTOCAST", "FakeTensor", "FakeTensorMode",
-    "HigherOrderOperator", "NormBase", "OpOverload", "OpOverloadPacket", "TorchDispatchMode", "all_op_schemas",
+    "BackendCompilerFailed", "DATA_ATTR", "DYNAMIC_DIM_MARKERS", "ENTER_AUTOCAST", "EXIT_AUTOCAST", "FakeTensor",
+    "FakeTensorMode", "HigherOrderOperator", "NormBase", "OpOverload", "OpOverloadPacket", "SET_GRAD_ENABLED",
+    "TorchDispatchMode", "all_op_schemas",
     "call_module_with_hooks", "compile_with_inductor", "composable_apis_on", "cpu_runs_bfloat16_natively",
     "default_checkpoint_context_fn", "detect_fake_mode", "dispatch_mode_makes_dynamo_run_eagerly", "dynamo_stance",
     "dynamo_traces_this_thread", "enable_python_dispatcher", "fused_step_takes_loss_scaling", "generate_code_now",
@@ -316,6 +317,12 @@ def default_checkpoint_context_fn(body: torch.fx.GraphModule, context_fn) -> Non
 # tests/test_fp32_regions.py (test_matmul_inside_autocast_disabled_region_runs_fp32) and tests/test_integrations.py
 # (test_accelerate_bf16_mixed_precision_on_top_is_refused).
 ENTER_AUTOCAST, EXIT_AUTOCAST = torch.amp.autocast_mode._enter_autocast, torch.amp.autocast_mode._exit_autocast
+# The call dynamo writes into its graph where a `torch.no_grad()`/`enable_grad()` block starts and ends. Pinned by
+# tests/test_capture.py (test_a_weight_cast_made_under_no_grad_is_not_shared_with_the_grad_mode_code_after_it).
+SET_GRAD_ENABLED = torch._C._set_grad_enabled
+# What dynamo writes into its graph for `tensor.data`. Pinned by tests/test_module_edits.py
+# (test_a_write_through_data_in_forward_reaches_the_model).
+DATA_ATTR = torch._C._autograd._get_data_attr
 
 
 def wrap_autocast_regions(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:

@@ -262,6 +262,70 @@ def test_no_grad_region_gemm_executes_in_bfloat16(rewritten, bf16):
     assert all(set(call.in_dtypes) == {torch.bfloat16} for call in gemms)
 
 
+class LayerUsedUnderNoGradThenWithGrad(nn.Module):
+    """BYOL's target: the encoder run under no_grad, then again with grad."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        with torch.no_grad():
+            target = self.fc(x.flip(0))
+        return self.fc(x) - target
+
+
+class EnableGradBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.fc(x)
+        with torch.enable_grad():
+            return y, self.fc(x).square().mean()
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_a_weight_cast_made_under_no_grad_is_not_shared_with_the_grad_mode_code_after_it(bf16, compile):
+    """One cast per (weight, dtype) for the whole graph gave the layer after the block the no_grad cast: no history,
+    so `fc` got no gradient (torch.autocast casts again there)."""
+    torch.manual_seed(0)
+    model, x = LayerUsedUnderNoGradThenWithGrad(), torch.randn(4, 8)
+    eager = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager(x).float().square().mean().backward()
+    graphamp.rewrite(model, amp_lists=bf16, compile=compile)(x).float().square().mean().backward()
+
+    assert model.fc.weight.grad is not None and model.fc.bias.grad is not None
+    assert relative_error(model.fc.weight.grad, eager.fc.weight.grad) < BF16_RTOL
+
+
+def test_spectral_norm_gets_the_gradient_through_its_sigma(bf16):
+    """spectral_norm's power iteration casts the weight under no_grad; sigma = vdot(u, mv(W, v)) after it must cast
+    again, or d sigma/dW is lost (the weight's gradient was 73% off autocast's here)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.utils.parametrizations.spectral_norm(nn.Linear(32, 32)))
+    x = torch.randn(8, 16)
+    eager = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        eager(x).float().square().mean().backward()
+    graphamp.rewrite(model, amp_lists=bf16)(x).float().square().mean().backward()
+
+    original = model[2].parametrizations.weight.original
+    assert relative_error(original.grad, eager[2].parametrizations.weight.original.grad) < BF16_RTOL
+
+
+def test_an_enable_grad_block_in_a_forward_called_under_no_grad_records_its_graph(bf16):
+    model = graphamp.rewrite(EnableGradBlock(), amp_lists=bf16)
+    with torch.no_grad():
+        y, inner = model(torch.randn(4, 8))
+
+    assert not y.requires_grad and inner.requires_grad
+    inner.backward()
+    assert model.fc.weight.grad is not None
+
+
 # -- new shapes --------------------------------------------------------------------------------------------------
 # A rewritten model compiles a graph for each new input signature (dynamo's guards); with dynamic=False every new
 # shape is one, which keeps the test independent of the shapes other tests' models were called with (dynamo's

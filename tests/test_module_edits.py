@@ -80,6 +80,32 @@ def test_a_data_write_is_read_by_the_next_call(bf16, write):
     assert relative_error(out, before) > 0.1
 
 
+class WritesThroughData(nn.Module):
+    """WGAN's weight clipping and a step counter, written through `.data` inside forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x):
+        self.steps.data.add_(1)
+        self.fc.weight.data.clamp_(-0.05, 0.05)
+        return self.fc(x)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_a_write_through_data_in_forward_reaches_the_model(bf16, compile):
+    """make_fx made `.data` a constant: the writes changed that copy (compile=False) or inductor refused it."""
+    torch.manual_seed(0)
+    model = graphamp.rewrite(WritesThroughData(), amp_lists=bf16, compile=compile)
+    for _ in range(2):
+        model(torch.randn(4, 8))
+
+    assert model.steps.item() == 2
+    assert model.fc.weight.abs().max() <= torch.tensor(0.05)
+
+
 class NormalizedMLP(nn.Module):
     """Linear, BatchNorm, dropout, Linear: submodules whose train/eval mode changes what they compute."""
 

@@ -20,7 +20,7 @@ from graphamp.frontends.device_moves import move_without_a_dtype
 from graphamp.frontends.low_storage import LowStorageTensor, example_of_storage
 from graphamp.passes.cast_pass import INPUT_UPCAST
 from graphamp.torch_private import (
-    ENTER_AUTOCAST, FakeTensor, FakeTensorMode, default_checkpoint_context_fn, detect_fake_mode, pytree,
+    DATA_ATTR, ENTER_AUTOCAST, FakeTensor, FakeTensorMode, default_checkpoint_context_fn, detect_fake_mode, pytree,
     recording_functorch_transforms, register_sub_graph, trace_inside_make_fx, tracing_context, wrap_autocast_regions,
 )
 
@@ -72,6 +72,8 @@ class _Lowering(torch.fx.Interpreter):
     def call_function(self, target, args, kwargs):
         if target is _AUTOGRAD_FUNCTION:
             return _trace_autograd_function(*args, **kwargs)
+        if target is DATA_ATTR:
+            return _trace_data_attr(*args)
         return super().call_function(target, args, kwargs)
 
     def call_method(self, target, args, kwargs):
@@ -101,6 +103,18 @@ def _trace_autograd_function(forward: GraphModule, backward: GraphModule, *args,
     proxy = mode.tracer.create_proxy("call_function", _AUTOGRAD_FUNCTION, proxy_args, proxy_kwargs)
     with disable_proxy_modes_tracing():
         result = _AUTOGRAD_FUNCTION(forward_aten, backward_aten, *args, **kwargs)
+    return track_tensor_tree(result, proxy, constant=None, tracer=mode.tracer)
+
+
+def _trace_data_attr(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor.data` recorded as such: make_fx would make it a constant, and a write into it (a weight clipped, a
+    buffer counted through `.data`) would change that copy, never the model's tensor."""
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, get_proxy_mode, track_tensor_tree
+
+    mode = get_proxy_mode()
+    proxy = mode.tracer.create_proxy("call_function", DATA_ATTR, (mode.tracer.unwrap_proxy(tensor),), {})
+    with disable_proxy_modes_tracing():
+        result = DATA_ATTR(tensor)
     return track_tensor_tree(result, proxy, constant=None, tracer=mode.tracer)
 
 

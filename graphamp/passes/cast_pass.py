@@ -30,7 +30,8 @@ from graphamp.policy.dtypes import HALF_DTYPES, dtype_name
 from graphamp.policy.kernel_support import runs_low_on
 from graphamp.policy.lists import BLACK, GRAY, WHITE, Decision, op_lookup_keys
 from graphamp.torch_private import (
-    HigherOrderOperator, OpOverload, detect_fake_mode, enable_python_dispatcher, inside_the_vmaps_of, op_schema, pytree,
+    SET_GRAD_ENABLED, HigherOrderOperator, OpOverload, detect_fake_mode, enable_python_dispatcher, inside_the_vmaps_of,
+    op_schema, pytree,
 )
 
 __all__ = ["INPUT_UPCAST", "RewriteReport", "insert_casts"]
@@ -183,6 +184,9 @@ class _CastPass:
                     self._visit_higher_order(node)
                 elif node.target is operator.getitem:
                     self._refresh_meta(node)
+                elif node.target is SET_GRAD_ENABLED:  # a cast made under no_grad has no history:
+                    # shared past the block (as autocast's cache is not), its weight would train no more
+                    self.casts = {key: cast for key, cast in self.casts.items() if cast in self.input_upcasts}
         self._draw_in_the_dtype_of_their_readers()
         for reshape in self.recast_reshapes:
             if not reshape.users:  # every user took the reshape of the cast instead
