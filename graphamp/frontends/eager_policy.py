@@ -546,18 +546,6 @@ def _same(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _mapped(args, kwargs, function):
-    """The call's arguments with `function` applied to each tensor, one level into lists and tuples."""
-    def one(value):
-        if isinstance(value, torch.Tensor):
-            return function(value)
-        if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
-            return type(value)(one(v) for v in value)
-        return value
-
-    return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
-
-
 def _unchecked_globals(module_globals: dict) -> dict:
     patched = dict(module_globals)
     for name in ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic"):
@@ -571,6 +559,7 @@ def _never(*_args) -> bool:
 
 
 _WIDE = (torch.float32, torch.float64)
+_OUT = frozenset({"out"})  # an out= buffer keeps its tensor: the result is written into it
 _SCALED_CAST = _Rule(Decision.UNLISTED, "", "to", frozenset(), False, False, False, False, False, _needs_no_gradient)
 _SCALED_WRITE = _Rule(Decision.UNLISTED, "", "copy_", frozenset({0}), False, False, False, False, False, _never)
 
@@ -692,21 +681,31 @@ def _floating_inputs(args, kwargs, rule: _Rule) -> list[torch.Tensor]:
     return tensors[:1] if rule.norm else tensors
 
 
-def _map_inputs(args, kwargs, rule: _Rule, cast):
-    data = _first_tensor((*args, *kwargs.values())) if rule.norm else None
-
+def _mapped(args, kwargs, function, left: frozenset = frozenset()):
+    """The call's arguments with `function` applied to each tensor, into the lists and tuples that hold one (the
+    others are passed on as they are), but the arguments at the positions and names in `left`."""
     def one(value):
         if isinstance(value, torch.Tensor):
-            if not value.dtype.is_floating_point or (rule.norm and value is not data):
-                return value
-            return cast(value)
+            return function(value)
         if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
             return type(value)(one(v) for v in value)
         return value
 
-    written = rule.written
-    args = tuple(value if index in written else one(value) for index, value in enumerate(args))
-    return args, {k: (v if k == "out" or k in written else one(v)) for k, v in kwargs.items()} if kwargs else {}
+    args = tuple(value if index in left else one(value) for index, value in enumerate(args))
+    return args, {k: (v if k in left else one(v)) for k, v in kwargs.items()} if kwargs else {}
+
+
+def _map_inputs(args, kwargs, rule: _Rule, cast):
+    """The call's floating inputs the rule casts, each through `cast`: not those it writes, an `out=`, or a norm's
+    parameters."""
+    data = _first_tensor((*args, *kwargs.values())) if rule.norm else None
+
+    def one(tensor):
+        if not tensor.dtype.is_floating_point or (rule.norm and tensor is not data):
+            return tensor
+        return cast(tensor)
+
+    return _mapped(args, kwargs, one, rule.written | _OUT)
 
 
 def _cast_once(tensor: torch.Tensor, convert, casts: dict) -> torch.Tensor:
