@@ -33,7 +33,7 @@ from torch.overrides import TorchFunctionMode
 from graphamp.errors import ArgumentError, DoubleAmpError, GraphampError, RewriteError
 from graphamp.frontends.eager_rules import (
     FOLLOW, FOLLOWS_INPUTS, SCALED_CAST, SCALED_WRITE, UNKNOWN, ByOverload, Rule, Rules, all_tensors, first_tensor,
-    has_rules, rules_for, runs_low_on_cached, scaled_rule,
+    has_rules, rules_for, runs_low_on_cached,
 )
 from graphamp.frontends.low_storage import stored_values
 from graphamp.policy.cast_rule import cannot_run_fix, cast_target, decides_dtype
@@ -134,10 +134,8 @@ class EagerPolicy(TorchFunctionMode):
         rule = self._by_function.get(func, UNKNOWN)
         if rule is UNKNOWN:
             rule = self._rule_for(func)
-        if type(rule) is ByOverload:
+        if type(rule) is ByOverload:  # (under linked scaling, its rules are scaled already: Rules.scaled_rule_for)
             rule = rule.pick(args, kwargs)
-            if self.scaling is not None:
-                rule = scaled_rule(rule, func)
         try:
             if rule is None or (self._by_op_alone and rule is not FOLLOW and
                                 rule.keeps((*args, *kwargs.values()) if kwargs else args)):

@@ -27,7 +27,7 @@ from graphamp.torch_private import OpOverload, OpOverloadPacket, op_schema, qual
 
 __all__ = [
     "FOLLOW", "FOLLOWS_INPUTS", "SCALED_CAST", "SCALED_WRITE", "UNKNOWN", "ByOverload", "Rule", "Rules", "all_tensors",
-    "first_tensor", "has_rules", "rules_for", "runs_low_on_cached", "scaled_rule",
+    "first_tensor", "has_rules", "rules_for", "runs_low_on_cached",
 ]
 
 # Torch calls that name no op the lists decide, or that only read or reshape what they get: never cast.
@@ -94,7 +94,7 @@ class Rules:
     def scaled_rule_for(self, function):
         rule = self.scaled_by_function.get(function, UNKNOWN)
         if rule is UNKNOWN:
-            rule = self.scaled_by_function[function] = scaled_rule(self.rule_for(function), function)
+            rule = self.scaled_by_function[function] = _scaled_rule(self.rule_for(function), function)
         return rule
 
     def _rule(self, function):
@@ -131,11 +131,14 @@ class Rules:
                     _keeps(decision, name, norm, self.config))
 
 
-def scaled_rule(rule, function):
+def _scaled_rule(rule, function):
     """A rule under linked float16 loss scaling, where every crossing of float16's edge must be a scaled cast
     (training/eager_scaling.py): the model's own casts are looked at, and a normalization keeps no float16 data
     beside its float32 parameters, whose gradients would come out scaled; a copy into a tensor (`x32[i] = y16`) is one
     more place where a value crosses."""
+    if type(rule) is ByOverload:  # each overload's rule scaled once, here: a call then picks among them
+        return replace(rule, default=_scaled_rule(rule.default, function),
+                       rules={overload: _scaled_rule(one, function) for overload, one in rule.rules.items()})
     name = (_op_name(function) or getattr(function, "__name__", None)) if rule is None else None
     if name in _MODEL_CASTS:  # x.float()
         return SCALED_CAST
@@ -154,7 +157,7 @@ def _never(*_args) -> bool:
     return False
 
 
-# scaled_rule's rules for the model's own casts and for a copy into a tensor: each is looked at, as a crossing
+# _scaled_rule's rules for the model's own casts and for a copy into a tensor: each is looked at, as a crossing
 SCALED_CAST = Rule(Decision.UNLISTED, "", "to", frozenset(), False, False, False, False, False, _needs_no_gradient)
 SCALED_WRITE = Rule(Decision.UNLISTED, "", "copy_", frozenset({0}), False, False, False, False, False, _never)
 
