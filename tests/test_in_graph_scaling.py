@@ -958,11 +958,23 @@ class OwnCastBesideALowInput(LoopOverBreakingBlocks):
         return F.cross_entropy(self.head(self.norm(h + z)), y)
 
 
-@pytest.mark.parametrize("model_type", [OwnCastBesideALowInput])
+class OwnCastBetweenGraphs(OwnCastBesideALowInput):
+    """The same, the block called directly: the frame is graphs before and after the block's, and the last graph reads
+    the block's low output (presented as float32) and its plain float16 one."""
+
+    def forward(self, x, y):
+        h, z = self.blocks[0](self.embed(x), torch.tanh(x.repeat(1, 2) * self.gain))
+        return F.cross_entropy(self.head(self.norm(h + z)), y)
+
+
+@pytest.mark.parametrize("model_type", [OwnCastBesideALowInput, OwnCastBetweenGraphs])
 def test_a_float16_output_beside_a_low_input_that_does_not_come_from_it_gets_grad_scalers_gradients(model_type):
-    """A graph reading a float16 value that holds a scaled gradient (the frame's) and returning, beside its double, a
-    float16 value of the model's own cast: the gradient each gets from the float16 ops reading them is scaled once, by
-    the frame's casts, not again by the graph (it keeps every plain float16 output beside a kept input unscaled)."""
+    """A graph reading a float16 value that holds a scaled gradient (the frame's, or another graph's low output) and
+    returning, beside its double, a float16 value of the model's own cast: the gradient each gets from the float16 ops
+    reading them is scaled once, by the frame's casts, not again by the graph (it keeps every plain float16 output
+    beside a kept input unscaled). Between graphs, the sum's backward hands both one gradient tensor: dividing the
+    plain one in place as it left the last graph divided the low output's too, kept scaled (the embedding's gradient
+    came out 1/scale of the true one)."""
     expected = fp32_gradients(model_type)
     (scalers,), _, _ = grad_scalers_gradients(model_type)
     (linked,), scales, _ = linked_gradients(model_type, compile=False)
