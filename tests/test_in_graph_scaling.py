@@ -933,6 +933,55 @@ def test_a_graph_of_gray_ops_between_float16_ops_beside_the_graphs_scales_their_
     assert relative_error(linked, expected) < 2 * relative_error(scalers, expected)
 
 
+class OwnCastBlock(nn.Module):
+    """A block whose call breaks the graph first; its graph returns its float16 input doubled and its float32 second
+    input cast to float16 by the model's own cast: a float16 output that does not come from the float16 input."""
+
+    def forward(self, x, z):
+        torch._dynamo.graph_break()
+        return x * 2, z.half() * 3
+
+
+class OwnCastBesideALowInput(LoopOverBreakingBlocks):
+    """The frame's float16 embedding and a float32 value of its own (gray ops on the input) into such a block, in a
+    loop (the frame runs eagerly beside the block's graph); the head reads the sum of what it returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([OwnCastBlock()])
+        self.gain = nn.Parameter(torch.linspace(0.5, 1.5, 16))
+
+    def forward(self, x, y):
+        h, z = self.embed(x), torch.tanh(x.repeat(1, 2) * self.gain)
+        for block in self.blocks:
+            h, z = block(h, z)
+        return F.cross_entropy(self.head(self.norm(h + z)), y)
+
+
+class OwnCastBetweenGraphs(OwnCastBesideALowInput):
+    """The same, the block called directly: the frame is graphs before and after the block's, and the last graph reads
+    the block's low output (presented as float32) and its plain float16 one."""
+
+    def forward(self, x, y):
+        h, z = self.blocks[0](self.embed(x), torch.tanh(x.repeat(1, 2) * self.gain))
+        return F.cross_entropy(self.head(self.norm(h + z)), y)
+
+
+@pytest.mark.parametrize("model_type", [OwnCastBesideALowInput, OwnCastBetweenGraphs])
+def test_a_float16_output_beside_a_low_input_that_does_not_come_from_it_gets_grad_scalers_gradients(model_type):
+    """A graph reading a float16 value that holds a scaled gradient (the frame's, or another graph's low output) and
+    returning, beside its double, a float16 value of the model's own cast: the gradient each gets from the float16 ops
+    reading them is scaled once, by the frame's casts, not again by the graph (it keeps every plain float16 output
+    beside a kept input unscaled). Between graphs, the sum's backward hands both one gradient tensor: dividing the
+    plain one in place as it left the last graph divided the low output's too, kept scaled (the embedding's gradient
+    came out 1/scale of the true one)."""
+    expected = fp32_gradients(model_type)
+    (scalers,), _, _ = grad_scalers_gradients(model_type)
+    (linked,), scales, _ = linked_gradients(model_type, compile=False)
+    assert linked.isfinite().all() and scales == [2.0**16]  # the step was taken
+    assert relative_error(linked, expected) < 2 * relative_error(scalers, expected)
+
+
 class GradientReversal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):

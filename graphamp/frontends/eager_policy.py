@@ -7,7 +7,8 @@ call the model's Python code makes (F.linear, torch.matmul, Tensor.__add__, ...)
 casts its floating inputs by the same rule (policy/cast_rule.py): white low, black float32, gray and unlisted
 follow their inputs, O2 all but black low, the model's own casts and its `torch.autocast(enabled=False)` regions
 kept, black-module patterns by the module the call runs in. It works above autograd, as torch.autocast's kernels do,
-so the casts are differentiable and the FP32 parameters stay the master weights.
+so the casts are differentiable and the FP32 parameters stay the master weights. What the lists say of each torch
+callable (its op, decision, written arguments) is eager_rules.py's; this module applies it to each call's inputs.
 
 Under torch.compile the mode does nothing while dynamo traces (the cast pass rewrites what it captures) and is
 lifted while graphamp's graphs run, so no value is cast twice; what dynamo runs itself (code between graphs at a
@@ -25,56 +26,34 @@ import threading
 import types
 import warnings
 import weakref
-from collections.abc import Callable
-from dataclasses import dataclass, replace
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 from graphamp.errors import ArgumentError, DoubleAmpError, GraphampError, RewriteError
-from graphamp.frontends.low_storage import LowStorageTensor, stored_values
-from graphamp.policy.aten_ops import NORM_OPS, SAME_DTYPE_OPS, is_written
+from graphamp.frontends.eager_rules import (
+    FOLLOW, FOLLOWS_INPUTS, SCALED_CAST, SCALED_WRITE, UNKNOWN, ByOverload, Rule, Rules, all_tensors, first_tensor,
+    has_rules, rules_for, runs_low_on_cached,
+)
+from graphamp.frontends.low_storage import stored_values
 from graphamp.policy.cast_rule import cannot_run_fix, cast_target, decides_dtype
 from graphamp.policy.config import (
     AmpConfig, check_level, check_module, is_normalization_module, warn_of_custom_fwd_casts,
 )
 from graphamp.policy.dtypes import HALF_DTYPES, dtype_name
-from graphamp.policy.kernel_support import runs_low_on
-from graphamp.policy.lists import BLACK, GRAY, WHITE, AutoMixedPrecisionLists, Decision
+from graphamp.policy.lists import BLACK, WHITE, AutoMixedPrecisionLists
 from graphamp.torch_private import (
-    OpOverload, OpOverloadPacket, dynamo_traces_this_thread, never_a_frame_of_its_own, op_schema, outside_every_mode,
-    qualified_op_name, rerun_checkpointed_region_as, resolve_overload, tensor_version, tracing_on_fake_tensors,
+    dynamo_traces_this_thread, never_a_frame_of_its_own, outside_every_mode, rerun_checkpointed_region_as,
+    tensor_version, tracing_on_fake_tensors,
 )
 
 __all__ = ["EagerPolicy", "ModelFacts", "auto_cast", "policy_lifted", "rules_for"]
 
-# Torch calls that name no op the lists decide, or that only read or reshape what they get: never cast.
-_LEFT_ALONE = frozenset({
-    "__get__", "__set__", "__getitem__", "__setitem__", "__len__", "__iter__", "__repr__", "__format__", "__bool__",
-    "__contains__", "__hash__", "__eq__", "__ne__", "size", "dim", "numel", "stride", "storage_offset", "item",
-    "tolist", "is_floating_point", "is_complex", "is_contiguous", "data_ptr", "element_size", "backward",
-    "requires_grad_", "retain_grad", "register_hook", "detach", "detach_", "clone", "contiguous", "view", "reshape",
-    "view_as", "reshape_as", "flatten", "unflatten", "squeeze", "unsqueeze", "permute", "transpose", "t", "expand",
-    "expand_as", "narrow", "select", "slice", "split", "chunk", "unbind", "movedim", "as_strided", "unfold",
-    "copy_", "zero_", "fill_", "normal_", "uniform_", "cpu", "cuda",
-})
-# The model's own casts: kept as written, as the cast pass keeps them.
-_MODEL_CASTS = frozenset({"to", "_to_copy", "type", "type_as", "float", "half", "bfloat16", "double"})
-# Python operators as the ATen ops they run (the reflected and in-place forms are derived from these).
-_OPERATOR_OPS = {"truediv": "div", "div": "div", "floordiv": "floor_divide", "mod": "remainder"}
-# Python functions of these modules whose name is no ATen op are followed inside (F.cross_entropy,
-# F.interpolate): the ATen ops they call are decided, as the cast pass decides them after tracing.
-_FOLLOWED_MODULES = ("torch.nn.functional", "torch.functional")
-_FOLLOW = object()
-_UNKNOWN = object()
 _HALF = frozenset(HALF_DTYPES)
+_WIDE = (torch.float32, torch.float64)
+_OUT = frozenset({"out"})  # an out= buffer keeps its tensor: the result is written into it
 _SCALAR_TYPE_NAMES = {torch.float16: "Half", torch.bfloat16: "BFloat16"}  # as kernels' errors name them
-_FOLLOWS_INPUTS = (GRAY, Decision.UNLISTED)  # a module constant: an enum member read off its class costs ~0.2 µs
 _DTYPE = operator.attrgetter("dtype")
-# runs_low_on per (op, device, dtype), remembered: it reads device.type (~0.2 µs a read) on every normalization call.
-_runs_low_on = functools.lru_cache(maxsize=None)(runs_low_on)
-# Every floating dtype torch names: a black op keeps its inputs when their dtypes are all in _FLOATING - _HALF.
-_FLOATING = frozenset(d for d in vars(torch).values() if isinstance(d, torch.dtype) and d.is_floating_point)
 # Bound once: each is asked on every torch call, and an attribute chain costs more than the call.
 _is_compiling = torch.compiler.is_compiling
 _is_dynamo_compiling = torch.compiler.is_dynamo_compiling
@@ -86,174 +65,11 @@ _CAST_METHODS = {
 }
 
 
-@dataclass(frozen=True)
-class _Rule:
-    """What the lists say of one torch callable."""
-
-    decision: str  # a Decision
-    source: str
-    op: str  # the ATen op (packet) name
-    written: frozenset  # the positions and names of the arguments it writes, never cast (add_'s self: 0, 'self')
-    norm: bool  # a normalization: only its first tensor is data, the rest are FP32 parameters
-    dtype_argument: bool  # a black op that computes in float32 inside when passed dtype=float32 (softmax, sum)
-    promotes: bool  # promote.txt: mixed inputs are cast to the widest
-    same_dtype: bool  # index_copy_ and the like: the kernel wants the source in its target's dtype
-    plain: bool  # neither in-place nor a normalization: a white call casts every floating input down
-    # Bound once for the hot path: whether the rule casts none of a call's input values (args, then kwargs), told
-    # from their dtypes alone.
-    keeps: Callable[[tuple], bool]
-
-
-class _Rules:
-    """The rules of one AmpConfig, per torch callable, computed once and shared by every call and thread."""
-
-    def __init__(self, config: AmpConfig):
-        self.config = config
-        self.by_function: dict = {}
-        self.scaled_by_function: dict = {}  # the same, for a policy whose float16 casts scale (_scaled_rule)
-        self.promotion: dict = {}  # (function, input dtypes) -> whether torch's promotion already runs it in FP32
-
-    def rule_for(self, function):
-        rule = self.by_function.get(function)
-        if rule is None:
-            rule = self.by_function[function] = self._rule(function)
-        return rule
-
-    def scaled_rule_for(self, function):
-        rule = self.scaled_by_function.get(function, _UNKNOWN)
-        if rule is _UNKNOWN:
-            rule = self.scaled_by_function[function] = _scaled_rule(self.rule_for(function), function)
-        return rule
-
-    def _rule(self, function):
-        name = _op_name(function)
-        if name is None:
-            module = getattr(function, "__module__", None)
-            return _FOLLOW if isinstance(function, types.FunctionType) and module in _FOLLOWED_MODULES else None
-        if name in _LEFT_ALONE or name in _MODEL_CASTS:
-            return None
-        entry = self.config.lists.classify_packet(name)
-        rule = self._rule_of(name, entry)
-        # An overload entry of another color ('add.Tensor' black, 'add' gray) decides its overload, as in the graphs:
-        # a torch call names only the packet, so such a packet's calls are resolved to their overload.
-        overloads = {overload: self._rule_of(name, other)
-                     for overload, other in self.config.lists.overload_entries(name).items()
-                     if entry is None or other.color != entry.color}
-        return _ByOverload(qualified_op_name(_aten_packet(name)), overloads, rule) if overloads else rule
-
-    def _rule_of(self, name: str, entry) -> _Rule:
-        """The rule of the op `name` decided by the list `entry` (None: unlisted)."""
-        lists = self.config.lists
-        decision, source = (Decision(entry.color), entry.source) if entry is not None else (Decision.UNLISTED, "")
-        packet = _aten_packet(name)
-        dtype_argument = decision == BLACK and packet is not None and any(
-            argument.name == "dtype"
-            for overload in packet.overloads() for argument in op_schema(getattr(packet, overload)).arguments
-        )
-        written = _written_arguments(packet)
-        if name.endswith("_") and not name.startswith("_"):  # in place, also for a packet torch.ops does not have
-            written.add(0)
-        norm = name in NORM_OPS
-        return _Rule(decision, source, name, frozenset(written), norm, dtype_argument,
-                     lists.promotes_packet(name), name in SAME_DTYPE_OPS, not (written or norm),
-                     _keeps(decision, name, norm, self.config))
-
-
-def _scaled_rule(rule, function):
-    """A rule under linked float16 loss scaling, where every crossing of float16's edge must be a scaled cast
-    (training/eager_scaling.py): the model's own casts are looked at, and a normalization keeps no float16 data
-    beside its float32 parameters, whose gradients would come out scaled; a copy into a tensor (`x32[i] = y16`) is one
-    more place where a value crosses."""
-    name = (_op_name(function) or getattr(function, "__name__", None)) if rule is None else None
-    if name in _MODEL_CASTS:  # x.float()
-        return _SCALED_CAST
-    if name in ("__setitem__", "copy_"):
-        return _SCALED_WRITE
-    if isinstance(rule, _Rule) and rule.norm:
-        return replace(rule, keeps=functools.partial(_only_dtypes, frozenset({torch.float32, torch.float64})))
-    return rule
-
-
-def _needs_no_gradient(values) -> bool:
-    return not (values and isinstance(values[0], torch.Tensor) and values[0].requires_grad)
-
-
-@dataclass(frozen=True)
-class _ByOverload:
-    """The rules of a packet whose overloads the lists decide apart: each call is resolved to its overload."""
-
-    packet: str  # 'aten::add'
-    rules: dict  # overload name -> its _Rule
-    default: _Rule  # the packet's own rule, for the other overloads
-
-    def pick(self, args, kwargs) -> _Rule:
-        try:
-            overload = resolve_overload(self.packet, *args, **(kwargs or {}))
-        except RuntimeError:  # no overload fits: the call raises as written, by the packet's rule
-            return self.default
-        return self.rules.get(overload or "default", self.default)
-
-
-def _written_arguments(packet) -> set:
-    """The positions and names of the arguments an op writes in place in any overload (a torch.library op's
-    mutates_args), `out=` aside: they keep their tensor, as the cast pass leaves written inputs alone."""
-    written = set()
-    for overload in packet.overloads() if packet is not None else ():
-        for index, argument in enumerate(op_schema(getattr(packet, overload)).arguments):
-            if is_written(argument) and not argument.is_out:
-                written |= {argument.name} if argument.kwarg_only else {index, argument.name}
-    return written
-
-
-def _keeps(decision: str, op: str, norm: bool, config: AmpConfig):
-    """The test, on a call's input values, that the rule casts none of them: a white op on low (or float64) inputs, a
-    black op on no low input, a gray op (O1) whose floating inputs share one dtype, a normalization (O1) whose data
-    need no cast. One loop that stops at the first input it would cast: it runs on every torch call."""
-    if norm and decision in _FOLLOWS_INPUTS and config.level == "O1":
-        return functools.partial(_norm_data_kept, op, config.dtype)
-    if decision is WHITE:
-        return functools.partial(_only_dtypes, frozenset({config.dtype, torch.float64}))
-    if decision is BLACK:
-        return functools.partial(_only_dtypes, _FLOATING - _HALF)
-    return _one_floating_dtype if config.level == "O1" else _never
-
-
-def _op_name(function) -> str | None:
-    """The ATen op (packet) name of a torch callable, or None if it is no op: `__radd__` is 'add', `__iadd__`
-    'add_', torch._C._nn.linear 'linear', torch.ops.mylib.op 'mylib::op'."""
-    if isinstance(function, (OpOverload, OpOverloadPacket)):
-        namespace, _, name = qualified_op_name(function).partition("::")
-        return name if namespace == "aten" else f"{namespace}::{name}"
-    name = getattr(function, "__name__", None)
-    if not isinstance(name, str):
-        return None
-    if name.startswith("__") and name.endswith("__") and name != "__get__":
-        base = name[2:-2]
-        if base.startswith("i") and _operator_op(base[1:]) is not None:  # __iadd__: in place
-            return _operator_op(base[1:]) + "_"
-        if base.startswith("r") and base != "rsub" and _operator_op(base[1:]) is not None:
-            return _operator_op(base[1:])
-        return _operator_op(base) or name
-    return name if _aten_packet(name) is not None else None
-
-
-def _operator_op(name: str) -> str | None:
-    name = _OPERATOR_OPS.get(name, name)
-    return name if _aten_packet(name) is not None else None
-
-
-def _aten_packet(name: str):
-    if "::" in name:
-        namespace, _, op = name.partition("::")
-        return getattr(getattr(torch.ops, namespace, None), op, None) if hasattr(torch.ops, namespace) else None
-    return getattr(torch.ops.aten, name, None) if not name.startswith("__") else None
-
-
 class EagerPolicy(TorchFunctionMode):
     """The mode auto_cast() enters: casts the floating inputs of each torch call by the lists (see the module's
     docstring). One per context; the rules are shared."""
 
-    def __init__(self, rules: _Rules, model_facts: ModelFacts | None = None, enabled: bool = True,
+    def __init__(self, rules: Rules, model_facts: ModelFacts | None = None, enabled: bool = True,
                  scaling=None):
         super().__init__()
         self._rules = rules
@@ -315,21 +131,19 @@ class EagerPolicy(TorchFunctionMode):
         # this thread's context.
         if _is_dynamo_compiling() or (_is_compiling() and dynamo_traces_this_thread()):
             return func(*args, **(kwargs or {}))
-        rule = self._by_function.get(func, _UNKNOWN)
-        if rule is _UNKNOWN:
+        rule = self._by_function.get(func, UNKNOWN)
+        if rule is UNKNOWN:
             rule = self._rule_for(func)
-        if type(rule) is _ByOverload:
+        if type(rule) is ByOverload:  # (under linked scaling, its rules are scaled already: Rules.scaled_rule_for)
             rule = rule.pick(args, kwargs)
-            if self.scaling is not None:
-                rule = _scaled_rule(rule, func)
         try:
-            if rule is None or (self._by_op_alone and rule is not _FOLLOW and
+            if rule is None or (self._by_op_alone and rule is not FOLLOW and
                                 rule.keeps((*args, *kwargs.values()) if kwargs else args)):
                 # the common case, decided from the input dtypes alone (torch passes kwargs=None for a positional call)
                 return func(*args, **kwargs) if kwargs else func(*args)
             return self._run_cast(func, rule, args, kwargs or {})
         except RuntimeError as error:  # free unless raised (Python 3.11's exception tables)
-            if rule is None or rule is _FOLLOW or isinstance(error, GraphampError) or \
+            if rule is None or rule is FOLLOW or isinstance(error, GraphampError) or \
                     _SCALAR_TYPE_NAMES[self.low] not in str(error):
                 raise
             # the kernel has no implementation for the low dtype (fft_fft: "Unsupported dtype BFloat16")
@@ -345,11 +159,11 @@ class EagerPolicy(TorchFunctionMode):
         if _lifted.depth or tracing_on_fake_tensors() or (entered and entered[-1][0] is not self):
             return func(*args, **kwargs)  # (an auto_cast entered inside this one decides: enabled=False, as written)
         rerun_checkpointed_region_as(self._under_this_policy)
-        if rule is _FOLLOW:
+        if rule is FOLLOW:
             return self._follow(func, args, kwargs)
-        if rule is _SCALED_CAST:
+        if rule is SCALED_CAST:
             return self._model_cast(func, args, kwargs)
-        if rule is _SCALED_WRITE:
+        if rule is SCALED_WRITE:
             return self._as_written(func, rule, args, kwargs)
         if rule.same_dtype and 0 in rule.written and args and isinstance(args[0], torch.Tensor):
             # buffer.index_copy_(0, i, source): the source in the buffer's dtype, as in a graph (cast_pass.py)
@@ -409,7 +223,7 @@ class EagerPolicy(TorchFunctionMode):
         scaled casts, under linked float16 scaling: the op would cross inside (promotion, an in-place op into the
         other dtype, `dtype=float32`, a normalization's float32 parameters), where autograd casts the gradient
         back unscaled."""
-        tensors = [t for t in _all_tensors(args, kwargs) if t.dtype.is_floating_point]
+        tensors = [t for t in all_tensors(args, kwargs) if t.dtype.is_floating_point]
         low = self.low
         if not torch.is_grad_enabled() or not any(type(t) is torch.Tensor and t.dtype == low for t in tensors):
             return args, kwargs
@@ -443,11 +257,11 @@ class EagerPolicy(TorchFunctionMode):
         return under_the_policy
 
     # -- deciding --------------------------------------------------------------------------------------------
-    def _cast_inputs(self, func, rule: _Rule, decision: str, args, kwargs):
+    def _cast_inputs(self, func, rule: Rule, decision: str, args, kwargs):
         floats = _floating_inputs(args, kwargs, rule)
         if not floats:
             return args, kwargs
-        follows_inputs = decision in _FOLLOWS_INPUTS
+        follows_inputs = decision in FOLLOWS_INPUTS
         # only a gray op's inputs decide (white and black name their dtype)
         target = cast_target(decision, self.level, self.low, _deciding_dtypes(floats) if follows_inputs else [])
         if target is None:
@@ -455,7 +269,7 @@ class EagerPolicy(TorchFunctionMode):
         if target == torch.float32 and follows_inputs and not (rule.promotes or rule.same_dtype) and \
                 self._promotes_to_fp32(func, args, kwargs):
             return args, kwargs  # add(bf16, fp32) computes in FP32 inside the kernel: a cast would only cost
-        if target == self.low and rule.norm and not _runs_low_on(rule.op, floats[0].device, self.low):
+        if target == self.low and rule.norm and not runs_low_on_cached(rule.op, floats[0].device, self.low):
             target = torch.float32  # this device's norm kernel wants X in its parameters' dtype
         if target == torch.float32 and decision == BLACK:
             if not any(tensor.dtype in _HALF for tensor in floats):
@@ -512,7 +326,7 @@ class EagerPolicy(TorchFunctionMode):
     def _promotes_to_fp32(self, func, args, kwargs) -> bool:
         """Whether torch's type promotion runs this call in FP32 on its mixed inputs as they are (asked once per
         function and input dtypes, on meta tensors)."""
-        key = (func, *map(_DTYPE, _all_tensors(args, kwargs)))
+        key = (func, *map(_DTYPE, all_tensors(args, kwargs)))
         known = self._rules.promotion.get(key)
         if known is None:
             known = self._rules.promotion[key] = _promotes_on_meta(func, args, kwargs)
@@ -521,7 +335,7 @@ class EagerPolicy(TorchFunctionMode):
     def _in_autocast_region(self, args) -> bool:
         """Inside a torch.autocast region the model's code entered: disabled, its ops run as written; enabled
         (accelerate's mixed_precision wraps forward in one), two AMP systems: refused as the cast pass refuses it."""
-        devices = {t.device.type for t in _all_tensors(args, None)} or {"cpu"}
+        devices = {t.device.type for t in all_tensors(args, None)} or {"cpu"}
         if any(torch.amp.autocast_mode.is_autocast_available(d) and torch.is_autocast_enabled(d) for d in devices):
             raise DoubleAmpError(
                 "the model's code turns torch.autocast on inside graphamp's policy: two AMP systems are on, and "
@@ -546,73 +360,16 @@ def _same(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _mapped(args, kwargs, function):
-    """The call's arguments with `function` applied to each tensor, one level into lists and tuples."""
-    def one(value):
-        if isinstance(value, torch.Tensor):
-            return function(value)
-        if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
-            return type(value)(one(v) for v in value)
-        return value
-
-    return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
-
-
 def _unchecked_globals(module_globals: dict) -> dict:
     patched = dict(module_globals)
     for name in ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic"):
         if name in patched:
-            patched[name] = _never
+            patched[name] = _no_torch_function
     return patched
 
 
-def _never(*_args) -> bool:
+def _no_torch_function(*_args) -> bool:
     return False
-
-
-_WIDE = (torch.float32, torch.float64)
-_SCALED_CAST = _Rule(Decision.UNLISTED, "", "to", frozenset(), False, False, False, False, False, _needs_no_gradient)
-_SCALED_WRITE = _Rule(Decision.UNLISTED, "", "copy_", frozenset({0}), False, False, False, False, False, _never)
-
-
-def _only_dtypes(allowed: frozenset, values) -> bool:
-    """Whether every floating tensor among the values (one level into lists) has a dtype in `allowed`."""
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            if value.dtype not in allowed and value.dtype.is_floating_point:
-                return False
-        elif (type(value) is list or type(value) is tuple) and not _only_dtypes(
-                allowed, [item for item in value if isinstance(item, torch.Tensor)]):
-            return False
-    return True
-
-
-def _norm_data_kept(op: str, low: torch.dtype, values) -> bool:
-    """Whether a normalization's data (its first tensor) is float32, or low where this device's kernel takes low data
-    with FP32 parameters."""
-    data = _first_tensor(values)
-    if type(data) is LowStorageTensor:
-        return False
-    return data is None or data.dtype == torch.float32 or (data.dtype == low and _runs_low_on(op, data.device, low))
-
-
-def _one_floating_dtype(values) -> bool:
-    """Whether the floating tensors among the values (one level into lists) share one dtype, none a graph's low
-    output presented as float32 (decided by its storage: _deciding_dtypes)."""
-    seen = None
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            if type(value) is LowStorageTensor:
-                return False
-            dtype = value.dtype
-            if dtype is not seen and dtype.is_floating_point:
-                if seen is not None:
-                    return False
-                seen = dtype
-        elif type(value) is list or type(value) is tuple:
-            # rare (torch.cat): count them all
-            return len({t.dtype for t in _all_tensors(values, None) if t.dtype.is_floating_point}) <= 1
-    return True
 
 
 _UNCHECKED: dict = {}
@@ -634,7 +391,7 @@ def _unchecked(function: types.FunctionType) -> types.FunctionType:
 
 
 # -- inputs -----------------------------------------------------------------------------------------------------
-def _hot_path_fits(rule: _Rule, args) -> bool:
+def _hot_path_fits(rule: Rule, args) -> bool:
     """Whether a white call's positional tensors, each cast down, are all its rule casts: the op writes none of them
     and is no normalization (plain), and no argument is a list or tuple but one holding no tensor (conv2d's stride)."""
     if not rule.plain:
@@ -645,29 +402,6 @@ def _hot_path_fits(rule: _Rule, args) -> bool:
     return True
 
 
-def _all_tensors(args, kwargs) -> list[torch.Tensor]:
-    """The call's tensors, one level into lists and tuples (a loop: generators cost a frame each)."""
-    tensors = []
-    for value in (*args, *kwargs.values()) if kwargs else args:
-        if isinstance(value, torch.Tensor):
-            tensors.append(value)
-        elif isinstance(value, (list, tuple)):
-            tensors += [v for v in value if isinstance(v, torch.Tensor)]
-    return tensors
-
-
-def _first_tensor(values) -> torch.Tensor | None:
-    """The first tensor among the values, one level into lists and tuples: a normalization's data."""
-    for value in values:
-        if isinstance(value, torch.Tensor):
-            return value
-        if isinstance(value, (list, tuple)):
-            for item in value:
-                if isinstance(item, torch.Tensor):
-                    return item
-    return None
-
-
 def _deciding_dtypes(floats: list[torch.Tensor]) -> list[torch.dtype]:
     """The dtypes that decide a gray op: its floating inputs' but a 0-dim or empty tensor's (cast_rule.decides_dtype),
     unless it has no other. A graph's low output presented as float32 decides by its storage, as the next graph
@@ -676,7 +410,7 @@ def _deciding_dtypes(floats: list[torch.Tensor]) -> list[torch.dtype]:
     return dtypes or [stored_values(tensor).dtype for tensor in floats]
 
 
-def _floating_inputs(args, kwargs, rule: _Rule) -> list[torch.Tensor]:
+def _floating_inputs(args, kwargs, rule: Rule) -> list[torch.Tensor]:
     """The floating tensors that decide and get cast: not an in-place op's target, an `out=`, or a norm's
     parameters."""
     written = rule.written
@@ -692,21 +426,31 @@ def _floating_inputs(args, kwargs, rule: _Rule) -> list[torch.Tensor]:
     return tensors[:1] if rule.norm else tensors
 
 
-def _map_inputs(args, kwargs, rule: _Rule, cast):
-    data = _first_tensor((*args, *kwargs.values())) if rule.norm else None
-
+def _mapped(args, kwargs, function, left: frozenset = frozenset()):
+    """The call's arguments with `function` applied to each tensor, into the lists and tuples that hold one (the
+    others are passed on as they are), but the arguments at the positions and names in `left`."""
     def one(value):
         if isinstance(value, torch.Tensor):
-            if not value.dtype.is_floating_point or (rule.norm and value is not data):
-                return value
-            return cast(value)
+            return function(value)
         if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
             return type(value)(one(v) for v in value)
         return value
 
-    written = rule.written
-    args = tuple(value if index in written else one(value) for index, value in enumerate(args))
-    return args, {k: (v if k == "out" or k in written else one(v)) for k, v in kwargs.items()} if kwargs else {}
+    args = tuple(value if index in left else one(value) for index, value in enumerate(args))
+    return args, {k: (v if k in left else one(v)) for k, v in kwargs.items()} if kwargs else {}
+
+
+def _map_inputs(args, kwargs, rule: Rule, cast):
+    """The call's floating inputs the rule casts, each through `cast`: not those it writes, an `out=`, or a norm's
+    parameters."""
+    data = first_tensor((*args, *kwargs.values())) if rule.norm else None
+
+    def one(tensor):
+        if not tensor.dtype.is_floating_point or (rule.norm and tensor is not data):
+            return tensor
+        return cast(tensor)
+
+    return _mapped(args, kwargs, one, rule.written | _OUT)
 
 
 def _cast_once(tensor: torch.Tensor, convert, casts: dict) -> torch.Tensor:
@@ -882,7 +626,7 @@ def auto_cast(amp_lists: AutoMixedPrecisionLists | None = None, level: str = "O1
     if model is not None:
         check_module(model, "auto_cast(model=...)")
     config = AmpConfig(amp_lists if amp_lists is not None else AutoMixedPrecisionLists(), level)
-    if config not in _RULES:  # once per lists: the scan costs ~1 ms, and a loop enters auto_cast every step
+    if not has_rules(config):  # once per lists: the scan costs ~1 ms, and a loop enters auto_cast every step
         warn_of_custom_fwd_casts("auto_cast")
     if model is not None:  # at every entry, as rewrite() does: the lists may be new to this model
         config.lists.warn_unmatched_black_modules(model, stacklevel=3)
@@ -895,13 +639,3 @@ def auto_cast(amp_lists: AutoMixedPrecisionLists | None = None, level: str = "O1
         )
     return EagerPolicy(rules_for(config), ModelFacts(model, config) if model is not None else None, enabled)
 
-
-_RULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def rules_for(config: AmpConfig) -> _Rules:
-    """The rules of one config, shared by every policy made of it while the config lives (an AmpConfig is frozen)."""
-    found = _RULES.get(config)
-    if found is None:
-        found = _RULES[config] = _Rules(config)
-    return found

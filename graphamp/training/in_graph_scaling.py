@@ -134,7 +134,10 @@ class _UnscaleGradients(_ScaleGradients):
         factor = ctx.factors.down
         if torch.is_grad_enabled():  # create_graph=True: the multiply must be differentiable
             return (None, None, *times_present(factor, grads))
-        result, in_place, storages = [None, None, *grads], {}, set()
+        result, in_place = [None, None, *grads], {}
+        # A low output's gradient is passed on below with its storage: one sharing it (add's backward hands both its
+        # inputs one tensor) is not divided in place, which would divide the low output's too, kept scaled.
+        storages = {stored_values(g).untyped_storage().data_ptr() for g in grads if isinstance(g, LowStorageTensor)}
         for i, (grad, owner) in enumerate(zip(grads, ctx.owners), start=2):
             if grad is None:
                 continue

@@ -390,9 +390,9 @@ class OptimizerWithMixedPrecision(torch.optim.Optimizer):
         """Whether this is the step torch.distributed.checkpoint's get_state_dict()/set_state_dict() take to create a
         fresh optimizer's state (all-zero gradients, lr 0, no state yet), with no scaled backward before it, which
         step() would refuse. The wrapped optimizer takes it alone: nothing to unscale, check or count. Its host sync
-        runs only where step() would otherwise refuse."""
+        runs only where step() would otherwise refuse. With no gradient to look at (None, []) it is not that step."""
         iteration, groups = self._iteration, self._optimizer.param_groups
-        if grads is None or self._optimizer.state or iteration.loss_scaled or iteration.scaled_in_graph:
+        if not grads or self._optimizer.state or iteration.loss_scaled or iteration.scaled_in_graph:
             return False
         at_lr_0 = all(float(group.get("lr", 0.0)) == 0.0 for group in groups)
         return at_lr_0 and not self.loss_scaler.is_fixed_at_one() and not any(bool(g.any()) for g in grads)
