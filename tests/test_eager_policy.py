@@ -6,6 +6,7 @@ or against torch.autocast.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import threading
@@ -476,6 +477,25 @@ def test_linear_algebra_runs_in_float32_as_under_torch_autocast(bf16, front):
     grads = [p.grad for p in (run.parameters() if front == "export" else ours.parameters())]
     for mine, want in zip(grads, theirs.parameters()):
         assert relative_error(mine, want.grad) < 5e-2
+
+
+Operands = collections.namedtuple("Operands", "left right")
+
+
+@pytest.mark.parametrize("operands", [list, tuple, lambda ts: Operands(*ts)], ids=["list", "tuple", "named-tuple"])
+@pytest.mark.parametrize("call", [lambda ops: torch.einsum("ij,jk->ik", ops), torch.linalg.multi_dot],
+                         ids=["einsum", "multi_dot"])
+def test_a_white_op_given_its_operands_in_a_sequence_runs_low_as_under_torch_autocast(bf16, operands, call):
+    a, b = torch.randn(3, 4, requires_grad=True), torch.randn(4, 2, requires_grad=True)
+    with DtypeRecorder() as autocasts, torch.autocast("cpu", torch.bfloat16):
+        expected = call(operands([a, b]))
+    with DtypeRecorder() as recorder, graphamp.auto_cast(bf16):
+        out = call(operands([a, b]))
+    assert decided_kernels(recorder, {"mm", "bmm"}) == decided_kernels(autocasts, {"mm", "bmm"})
+    assert [dtypes for _, dtypes in decided_kernels(recorder, {"mm", "bmm"})] == [(torch.bfloat16, torch.bfloat16)]
+    assert out.dtype == expected.dtype == torch.bfloat16 and torch.equal(out, expected)
+    out.float().sum().backward()
+    assert a.grad is not None and b.grad is not None
 
 
 @pytest.mark.parametrize("front", ["rewrite", "auto_cast"])

@@ -396,8 +396,8 @@ def _hot_path_fits(rule: Rule, args) -> bool:
     and is no normalization (plain), and no argument is a list or tuple but one holding no tensor (conv2d's stride)."""
     if not rule.plain:
         return False
-    for value in args:
-        if (type(value) is list or type(value) is tuple) and any(isinstance(item, torch.Tensor) for item in value):
+    for value in args:  # isinstance: a named tuple of operands (einsum's, multi_dot's) is cast on the full path
+        if isinstance(value, (list, tuple)) and any(isinstance(item, torch.Tensor) for item in value):
             return False
     return True
 
@@ -433,7 +433,8 @@ def _mapped(args, kwargs, function, left: frozenset = frozenset()):
         if isinstance(value, torch.Tensor):
             return function(value)
         if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
-            return type(value)(one(v) for v in value)
+            items = [one(v) for v in value]
+            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # a named tuple: by field
         return value
 
     args = tuple(value if index in left else one(value) for index, value in enumerate(args))

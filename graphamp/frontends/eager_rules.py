@@ -239,7 +239,7 @@ def _only_dtypes(allowed: frozenset, values) -> bool:
         if isinstance(value, torch.Tensor):
             if value.dtype not in allowed and value.dtype.is_floating_point:
                 return False
-        elif (type(value) is list or type(value) is tuple) and not _only_dtypes(
+        elif isinstance(value, (list, tuple)) and not _only_dtypes(
                 allowed, [item for item in value if isinstance(item, torch.Tensor)]):
             return False
     return True
@@ -268,7 +268,7 @@ def _one_floating_dtype(values) -> bool:
                 if seen is not None:
                     return False
                 seen = dtype
-        elif type(value) is list or type(value) is tuple:
+        elif isinstance(value, (list, tuple)):
             # rare (torch.cat): count them all
             return len({t.dtype for t in all_tensors(values, None) if t.dtype.is_floating_point}) <= 1
     return True
