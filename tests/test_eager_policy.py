@@ -642,21 +642,58 @@ class ActivationOutsideTheGraphs(Head):
         return torch.tanh(h) * 2
 
 
+def steps_rewritten_and_under_auto_cast(model: nn.Module, x: torch.Tensor, amp_lists) -> tuple:
+    """The kernels of one training step of the model rewritten and of its twin under auto_cast, whose gradients
+    agree."""
+    twin = copy.deepcopy(model)
+    graphamp.rewrite(model, amp_lists=amp_lists)
+    with CompiledCodeRecorder() as ours:
+        model(x).sum().backward()
+    with CompiledCodeRecorder() as eager, graphamp.auto_cast(amp_lists):
+        twin(x).sum().backward()
+    for mine, theirs in zip(model.parameters(), twin.parameters()):
+        assert relative_error(mine.grad, theirs.grad) < 2e-2
+    return ours, eager
+
+
 def test_skipped_code_decides_on_a_graphs_low_output_by_its_storage_as_without_the_graphs(bf16):
     torch.manual_seed(0)
     model, x = ActivationOutsideTheGraphs(), torch.randn(4, 16)
-    twin = copy.deepcopy(model)
-    graphamp.rewrite(model, amp_lists=bf16)
-    with CompiledCodeRecorder() as ours:
-        model(x).sum().backward()
-    with CompiledCodeRecorder() as eager, graphamp.auto_cast(bf16):
-        twin(x).sum().backward()
+    ours, eager = steps_rewritten_and_under_auto_cast(model, x, bf16)
     for op in ("tanh", "tanh_backward"):
         assert [c.in_dtypes for c in ours.calls_of(op)] == [c.in_dtypes for c in eager.calls_of(op)], op
         assert {d for c in ours.calls_of(op) for d in c.in_dtypes} == {torch.bfloat16}, op
     assert ours.calls_of("mul")[0].in_dtypes == (torch.bfloat16,)
-    for mine, theirs in zip(model.parameters(), twin.parameters()):
-        assert relative_error(mine.grad, theirs.grad) < 2e-2
+
+
+class JoinOutsideTheGraphs(nn.Module):
+    """Two GEMMs' low outputs joined by gray ops in code dynamo skips, each taking them as it takes them: in a
+    list, in a tuple, positionally."""
+
+    def __init__(self, join):
+        super().__init__()
+        self.join_by = join
+        self.left, self.right, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(16, 2)
+
+    def forward(self, x):
+        return self.head(self.join(self.left(x), self.right(x)))
+
+    @torch.compiler.disable
+    def join(self, a, b):
+        return self.join_by(a, b)
+
+
+@pytest.mark.parametrize("join", [
+    lambda a, b: torch.cat([a, b], -1), lambda a, b: torch.cat((a, b), -1),
+    lambda a, b: torch.stack([a, b], -1).flatten(-2), lambda a, b: torch.hstack([a, b])],
+    ids=["cat-list", "cat-tuple", "stack", "hstack"])
+def test_skipped_code_decides_on_low_outputs_in_a_list_by_their_storage_as_without_the_graphs(bf16, join):
+    torch.manual_seed(0)
+    model, x = JoinOutsideTheGraphs(join), torch.randn(4, 8)
+    ours, eager = steps_rewritten_and_under_auto_cast(model, x, bf16)
+    joined = {"cat", "stack"}
+    assert decided_kernels(ours, joined) == decided_kernels(eager, joined)
+    assert {dtypes for _, dtypes in decided_kernels(ours, joined)} == {(torch.bfloat16, torch.bfloat16)}
 
 
 class CheckpointedBlock(nn.Module):

@@ -269,8 +269,10 @@ def _one_floating_dtype(values) -> bool:
                     return False
                 seen = dtype
         elif isinstance(value, (list, tuple)):
-            # rare (torch.cat): count them all
-            return len({t.dtype for t in all_tensors(values, None) if t.dtype.is_floating_point}) <= 1
+            # rare (torch.cat): count them all; a graph's low output in the list decides by its storage too
+            tensors = all_tensors(values, None)
+            return not any(type(t) is LowStorageTensor for t in tensors) and \
+                len({t.dtype for t in tensors if t.dtype.is_floating_point}) <= 1
     return True
 
 
