@@ -498,6 +498,23 @@ def test_a_white_op_given_its_operands_in_a_sequence_runs_low_as_under_torch_aut
     assert a.grad is not None and b.grad is not None
 
 
+@pytest.mark.parametrize("op, arguments", [(torch.layer_norm, {"normalized_shape": [8]}),
+                                           (torch.group_norm, {"num_groups": 2})], ids=["layer_norm", "group_norm"])
+def test_a_normalization_given_its_input_by_keyword_after_its_weight_casts_the_input_under_o2(bf16, op, arguments):
+    x, w, b = (torch.randn(*shape, requires_grad=True) for shape in ((4, 8), (8,), (8,)))
+    runs = []
+    for first in ({"input": x}, {"weight": w, "bias": b}):  # the same call, the input's keyword first, then last
+        with DtypeRecorder() as recorder, graphamp.auto_cast(bf16, level="O2"):
+            out = op(**{**first, "input": x, "weight": w, "bias": b, **arguments})
+        out.float().sum().backward()
+        runs.append(([c.in_dtypes[:3] for c in recorder.calls_of(f"native_{op.__name__}")], out, x.grad, w.grad))
+        x.grad = w.grad = b.grad = None
+    (kernels, out, *grads), (kernels_weight_first, out_weight_first, *grads_weight_first) = runs
+    assert kernels == kernels_weight_first == [(torch.bfloat16, torch.float32, torch.float32)]
+    assert torch.equal(out, out_weight_first)
+    assert all(torch.equal(g, h) for g, h in zip(grads, grads_weight_first))
+
+
 @pytest.mark.parametrize("front", ["rewrite", "auto_cast"])
 def test_an_unlisted_op_without_a_low_kernel_is_a_rewrite_error_saying_to_put_it_on_the_black_list(front, tmp_path):
     folder = write_list_folder(tmp_path, white="linear\n")  # fft_fftn on no list: it follows the linear's low output

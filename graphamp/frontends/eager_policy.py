@@ -413,6 +413,9 @@ def _deciding_dtypes(floats: list[torch.Tensor]) -> list[torch.dtype]:
 def _floating_inputs(args, kwargs, rule: Rule) -> list[torch.Tensor]:
     """The floating tensors that decide and get cast: not an in-place op's target, an `out=`, or a norm's
     parameters."""
+    if rule.norm:  # only its data decides and is cast
+        data = _norm_data(args, kwargs)
+        return [data] if data is not None and data.dtype.is_floating_point else []
     written = rule.written
     kept = [*(v for i, v in enumerate(args) if i in written), *(v for k, v in kwargs.items() if k in written)]
     tensors = []
@@ -423,7 +426,12 @@ def _floating_inputs(args, kwargs, rule: Rule) -> list[torch.Tensor]:
         elif isinstance(value, (list, tuple)):
             tensors += [t for t in value if isinstance(t, torch.Tensor) and t.dtype.is_floating_point
                         and not any(t is k for k in kept)]
-    return tensors[:1] if rule.norm else tensors
+    return tensors
+
+
+def _norm_data(args, kwargs) -> torch.Tensor | None:
+    """A normalization's data: its first argument, `input`, which a keyword call may pass after the weight."""
+    return first_tensor(args[:1] or (kwargs.get("input"),))
 
 
 def _mapped(args, kwargs, function, left: frozenset = frozenset()):
@@ -444,7 +452,7 @@ def _mapped(args, kwargs, function, left: frozenset = frozenset()):
 def _map_inputs(args, kwargs, rule: Rule, cast):
     """The call's floating inputs the rule casts, each through `cast`: not those it writes, an `out=`, or a norm's
     parameters."""
-    data = first_tensor((*args, *kwargs.values())) if rule.norm else None
+    data = _norm_data(args, kwargs) if rule.norm else None
 
     def one(tensor):
         if not tensor.dtype.is_floating_point or (rule.norm and tensor is not data):
