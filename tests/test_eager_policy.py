@@ -515,6 +515,20 @@ def test_a_normalization_given_its_input_by_keyword_after_its_weight_casts_the_i
     assert all(torch.equal(g, h) for g, h in zip(grads, grads_weight_first))
 
 
+def test_a_normalization_given_a_graphs_low_output_by_keyword_after_its_weight_decides_by_its_storage(bf16):
+    head, w = graphamp.rewrite(nn.Linear(8, 8), amp_lists=bf16), torch.ones(8, requires_grad=True)
+    runs = []
+    with graphamp.auto_cast(bf16):
+        h = head(torch.randn(4, 8))  # stored bfloat16, presented as float32
+        for call in (lambda: torch.layer_norm(h, [8], w),
+                     lambda: torch.layer_norm(weight=w, input=h, normalized_shape=[8])):
+            with DtypeRecorder() as recorder:
+                out = call()
+            runs.append(([c.in_dtypes[:2] for c in recorder.calls_of("native_layer_norm")], out))
+    assert runs[0][0] == runs[1][0] == [(torch.bfloat16, torch.float32)]
+    assert torch.equal(runs[0][1], runs[1][1])
+
+
 @pytest.mark.parametrize("front", ["rewrite", "auto_cast"])
 def test_an_unlisted_op_without_a_low_kernel_is_a_rewrite_error_saying_to_put_it_on_the_black_list(front, tmp_path):
     folder = write_list_folder(tmp_path, white="linear\n")  # fft_fftn on no list: it follows the linear's low output

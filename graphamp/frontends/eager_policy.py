@@ -138,8 +138,9 @@ class EagerPolicy(TorchFunctionMode):
             rule = rule.pick(args, kwargs)
         try:
             if rule is None or (self._by_op_alone and rule is not FOLLOW and
-                                rule.keeps((*args, *kwargs.values()) if kwargs else args)):
-                # the common case, decided from the input dtypes alone (torch passes kwargs=None for a positional call)
+                                rule.keeps((*args, kwargs.get("input"), *kwargs.values()) if kwargs else args)):
+                # the common case, decided from the input dtypes alone (torch passes kwargs=None for a positional call;
+                # `input` first: a norm's data, which a keyword call may pass after the weight)
                 return func(*args, **kwargs) if kwargs else func(*args)
             return self._run_cast(func, rule, args, kwargs or {})
         except RuntimeError as error:  # free unless raised (Python 3.11's exception tables)
