@@ -863,6 +863,29 @@ def test_float16_ops_beside_the_graphs_get_gradients_as_accurate_as_grad_scalers
     assert not [w for w in caught if "float16 ops outside graphamp's graphs" in str(w.message)]
 
 
+class KeywordNormBesideTheGraphs(LoopOverBreakingBlocks):
+    """The frame normalizes a float16 value by a call naming its weight before its input."""
+
+    def __init__(self):
+        super().__init__()
+        self.mid = nn.Linear(16, 16)
+
+    def forward(self, x, y):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        h = torch.layer_norm(weight=self.norm.weight, bias=self.norm.bias, input=self.mid(x), normalized_shape=[16])
+        return F.cross_entropy(self.head(h), y)
+
+
+def test_a_norm_called_with_its_input_by_keyword_beside_the_graphs_gets_grad_scalers_gradients():
+    """The data of a normalization is its `input`, wherever the call puts it: the float32 weight named first is no
+    float16 crossing (before: the weight was taken for the data, 6e-5 off GradScaler's gradients)."""
+    (scalers,), _, _ = grad_scalers_gradients(KeywordNormBesideTheGraphs)
+    (linked,), _, _ = linked_gradients(KeywordNormBesideTheGraphs, compile=False)
+    assert relative_error(linked, scalers) < 1e-5
+
+
 def test_a_step_skipped_beside_the_graphs_follows_grad_scalers_skips_and_scales():
     """An inf in one step's frame: graphamp skips the same step and backs off the scale as GradScaler does."""
     def batches(step):

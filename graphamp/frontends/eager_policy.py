@@ -229,9 +229,10 @@ class EagerPolicy(TorchFunctionMode):
         if not torch.is_grad_enabled() or not any(type(t) is torch.Tensor and t.dtype == low for t in tensors):
             return args, kwargs
         target = args[0] if 0 in rule.written and args and isinstance(args[0], torch.Tensor) else None
+        data = _norm_data(args, kwargs) if rule.norm else None
         dtype = kwargs.get("dtype")
-        if target is not None or rule.norm:  # the op writes, or normalizes, in its first tensor's dtype
-            result_low = (target if target is not None else tensors[0]).dtype == low
+        if target is not None or data is not None:  # the op writes into its target, or normalizes in its data's dtype
+            result_low = (target if target is not None else data).dtype == low
         elif isinstance(dtype, torch.dtype) and dtype.is_floating_point:
             result_low = dtype == low
         else:  # type promotion: a 0-dim tensor takes no part
@@ -241,7 +242,7 @@ class EagerPolicy(TorchFunctionMode):
             return args, kwargs
         if result_low:
             def cast(t):  # a normalization's float32 parameter stays float32: only its gradient is unscaled
-                return self.scaling.cast(t, _same, True) if rule.norm and t is not tensors[0] else self._to_low(t)
+                return self.scaling.cast(t, _same, True) if data is not None and t is not data else self._to_low(t)
         else:
             cast = self._cast_to(torch.float32)
         return _mapped(args, kwargs, lambda t: cast(t) if id(t) in crossing else t)
