@@ -58,7 +58,7 @@ def test_the_private_torch_apis_module_imports_nothing_of_graphamps():
 
 
 # A ratchet with room, not a target: lower it when the package shrinks, raise it only with a reason in the commit.
-PACKAGE_LINES_AT_MOST = 9811
+PACKAGE_LINES_AT_MOST = 9815
 
 
 def test_the_package_stays_under_its_line_ratchet():

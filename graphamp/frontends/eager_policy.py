@@ -443,12 +443,16 @@ def _mapped(args, kwargs, function, left: frozenset = frozenset()):
         if isinstance(value, torch.Tensor):
             return function(value)
         if isinstance(value, (list, tuple)) and any(isinstance(v, torch.Tensor) for v in value):
-            items = [one(v) for v in value]
-            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # a named tuple: by field
+            return _rebuilt(value, [one(v) for v in value])
         return value
 
     args = tuple(value if index in left else one(value) for index, value in enumerate(args))
     return args, {k: (v if k in left else one(v)) for k, v in kwargs.items()} if kwargs else {}
+
+
+def _rebuilt(container: list | tuple, items: list):
+    """`container`'s type holding `items`: a named tuple takes them by field."""
+    return type(container)(*items) if hasattr(container, "_fields") else type(container)(items)
 
 
 def _map_inputs(args, kwargs, rule: Rule, cast):
@@ -489,7 +493,7 @@ def _promotes_on_meta(func, args, kwargs) -> bool:
         if isinstance(value, torch.Tensor):
             return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="meta")
         if isinstance(value, (list, tuple)):
-            return type(value)(meta(v) for v in value)
+            return _rebuilt(value, [meta(v) for v in value])
         return value
 
     try:  # outside the caller's dispatch modes: a recorder or a FlopCounterMode sees no call of this probe
